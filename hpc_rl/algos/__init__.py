@@ -1,0 +1,1 @@
+"""Pure tensor functions: advantages, policy/value losses, KL estimators and controllers."""

@@ -1,0 +1,1 @@
+"""Slurm: submitit executor, node-role layout, sbatch rendering, sweeps as arrays, status/logs/cancel."""

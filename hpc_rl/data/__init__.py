@@ -1,0 +1,1 @@
+"""Prompt datasets (toy generators, jsonl, parquet, HF datasets) and the deterministic sampler."""

@@ -1,0 +1,72 @@
+"""Load HF model folders and tokenizers the same way for real and tiny models."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+
+from ..errors import ModelError
+
+log = logging.getLogger("hpc_rl")
+_warned_pad: set[str] = set()
+
+
+def torch_dtype(name: str):
+    """'bfloat16' -> torch.bfloat16 ('auto' -> None, letting the model folder decide)."""
+    import torch
+
+    if name in (None, "auto"):
+        return None
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def check_model_dir(path: str | Path) -> Path:
+    """A local HF folder must hold config.json; raise ModelError naming what is missing."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"model.path: {path} does not exist; point it at an HF model folder "
+                         "(config.json, weights, tokenizer files)")
+    if not (p / "config.json").is_file():
+        raise ModelError(f"model.path: {path} has no config.json; point it at an HF model folder "
+                         "(the output of save_pretrained)")
+    return p
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """AutoTokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts."""
+    from transformers import AutoTokenizer
+
+    check_model_dir(path) if Path(path).exists() else None
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"model.path: cannot load a tokenizer from {path} ({str(e).splitlines()[0]}); "
+                         "the folder needs tokenizer.json or tokenizer_config.json") from None
+    if tok.pad_token is None:
+        if tok.eos_token is None:
+            raise ModelError(f"model.path: the tokenizer in {path} has neither pad_token nor eos_token; "
+                             "set one in tokenizer_config.json")
+        tok.pad_token = tok.eos_token
+        if str(path) not in _warned_pad:
+            _warned_pad.add(str(path))
+            log.warning("tokenizer in %s has no pad_token; using eos_token %r as pad_token", path, tok.eos_token)
+    tok.padding_side = "left"
+    return tok
+
+
+def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
+                   gradient_checkpointing: bool = False, trust_remote_code: bool = False):
+    """AutoModelForCausalLM from a local folder; under an active HfDeepSpeedConfig it loads ZeRO-3 partitioned."""
+    from transformers import AutoModelForCausalLM
+
+    check_model_dir(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model

@@ -1,0 +1,1 @@
+"""Reward functions (rule-based, by dotted path) and their validation."""

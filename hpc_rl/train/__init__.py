@@ -1,0 +1,1 @@
+"""Trainer ranks: DeepSpeed engines (actor, critic, reference), the RL step, checkpoints."""
