@@ -1,0 +1,115 @@
+"""`hpc-rl` command line: argument parsing only; each command calls one function elsewhere."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import HpcRlError
+
+
+def _add_job(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="job spec YAML (e.g. jobs/toy-grpo-cpu.yaml)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 algorithm.kl.coef=0.01")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hpc-rl", description="RL post-training of language models on Slurm clusters.")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="run the whole job on this machine")
+    _add_job(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue this run dir from its latest checkpoint")
+
+    p = sub.add_parser("submit", help="submit the job to Slurm (submitit)")
+    _add_job(p)
+    p.add_argument("--dry-run", action="store_true", help="print the sbatch script and node roles; submit nothing")
+
+    p = sub.add_parser("status", help="list runs with their Slurm state, step and last reward")
+    p.add_argument("run", nargs="?", help="a run name or run dir (default: all runs)")
+    p.add_argument("--runs-dir", default="runs", help="where runs live (default: runs)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+    p = sub.add_parser("logs", help="show a run's logs")
+    p.add_argument("run", help="a run name or run dir")
+    p.add_argument("--role", choices=["trainer", "rollout", "all"], default="all")
+    p.add_argument("--follow", "-f", action="store_true")
+    p.add_argument("--runs-dir", default="runs")
+
+    p = sub.add_parser("cancel", help="cancel a run's Slurm job (every process of it)")
+    p.add_argument("run", help="a run name or run dir")
+    p.add_argument("--runs-dir", default="runs")
+
+    p = sub.add_parser("export", help="write an HF model folder from a checkpoint")
+    p.add_argument("run", help="a run name or run dir")
+    p.add_argument("out", help="output folder")
+    p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    p.add_argument("--runs-dir", default="runs")
+
+    p = sub.add_parser("doctor", help="check this environment for known pitfalls, with fixes")
+    p.add_argument("--job", help="also check this job spec")
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("data", help="prepare a dataset (needs internet for hub datasets)")
+    p.add_argument("name", choices=["gsm8k"])
+    p.add_argument("out", help="output folder")
+    p.add_argument("--source", help="a local copy (jsonl/parquet or HF datasets folder) instead of the hub")
+    return ap
+
+
+def dispatch(args: argparse.Namespace) -> int:
+    """Call the one function that implements the command; returns the exit code."""
+    if args.command == "run":
+        from .launch import run_local_job
+        return run_local_job(args.job, args.overrides, resume=args.resume)
+    if args.command == "submit":
+        from .cluster.submit import submit_job
+        return submit_job(args.job, args.overrides, dry_run=args.dry_run)
+    if args.command == "status":
+        from .cluster.status import show_status
+        return show_status(args.run, runs_dir=args.runs_dir, as_json=args.json)
+    if args.command == "logs":
+        from .cluster.status import show_logs
+        return show_logs(args.run, role=args.role, follow=args.follow, runs_dir=args.runs_dir)
+    if args.command == "cancel":
+        from .cluster.status import cancel_run
+        return cancel_run(args.run, runs_dir=args.runs_dir)
+    if args.command == "export":
+        from .train.checkpoint import export_hf
+        return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir)
+    if args.command == "doctor":
+        from .doctor import run_doctor
+        return run_doctor(job=args.job, as_json=args.json)
+    if args.command == "data":
+        from .data.prepare import prepare_dataset
+        return prepare_dataset(args.name, args.out, source=args.source)
+    raise AssertionError(args.command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hpc-rl` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        return int(dispatch(args) or 0)
+    except HpcRlError as e:
+        print(f"hpc-rl: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("hpc-rl: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        # `hpc-rl status | head` must not print a traceback.
+        sys.stderr.close()
+        return 0
+    finally:
+        if os.environ.get("HPC_RL_DEBUG") == "1":
+            sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

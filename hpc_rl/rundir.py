@@ -1,0 +1,156 @@
+"""The run directory: one place on the shared filesystem that every node of a job reads and writes.
+
+Layout (DESIGN.md "Job directory"): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl,
+tensorboard/, plots/, checkpoints/step_N/{hf,deepspeed}/ + checkpoints/latest, weights/ (file sync),
+model-init/ (a tiny model built for this run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError, HpcRlError
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    @property
+    def name(self) -> str:
+        return self.root.name
+
+    @property
+    def job_yaml(self) -> Path:
+        return self.root / "job.yaml"
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "token"
+
+    @property
+    def rendezvous(self) -> Path:
+        return self.root / "rendezvous"
+
+    @property
+    def logs(self) -> Path:
+        return self.root / "logs"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.jsonl"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.root / "tensorboard"
+
+    @property
+    def plots(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def weights(self) -> Path:
+        return self.root / "weights"
+
+    @property
+    def model_init(self) -> Path:
+        return self.root / "model-init"
+
+    def rollout_file(self, index: int) -> Path:
+        """Written by rollout server `index` once it serves: {index, host, port, url, hostname, pid, engine}."""
+        return self.rendezvous / f"rollout-{index}.json"
+
+    @property
+    def master_file(self) -> Path:
+        """Written by the first trainer node: {addr, port} for torch.distributed rendezvous."""
+        return self.rendezvous / "master.json"
+
+    @property
+    def done_file(self) -> Path:
+        """Written by trainer rank 0 when training ends; rollout nodes exit when they see it."""
+        return self.rendezvous / "done.json"
+
+    def read_token(self) -> str:
+        try:
+            return self.token_file.read_text().strip()
+        except FileNotFoundError:
+            raise HpcRlError(f"{self.token_file}: the run's token is missing; the run dir is incomplete "
+                             "(start the run again with `hpc-rl run` or `hpc-rl submit`)") from None
+
+    def ensure_layout(self) -> None:
+        for d in (self.rendezvous, self.logs, self.checkpoints, self.weights):
+            d.mkdir(parents=True, exist_ok=True)
+
+
+def write_json_atomic(path: Path, data: dict, mode: int | None = None) -> None:
+    """Write JSON under a temporary name, then rename: readers never see half a file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    if mode is not None:
+        os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON in `path`, or None when it does not exist (yet) or is being replaced."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def create(output_dir: str | Path, name: str) -> RunDir:
+    """A new `OUTPUT/NAME-YYYYmmdd-HHMMSS` (0700) with a fresh token (0600)."""
+    base = Path(output_dir)
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"output_dir: cannot create {base} ({e.strerror}); choose a writable output_dir") from None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    root = base / f"{name}-{stamp}"
+    n = 1
+    while True:
+        try:
+            root.mkdir(mode=0o700)
+            break
+        except FileExistsError:
+            n += 1
+            root = base / f"{name}-{stamp}-{n}"
+    os.chmod(root, 0o700)
+    run = RunDir(root.resolve())
+    fd = os.open(run.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    run.ensure_layout()
+    return run
+
+
+def find(run: str | Path, runs_dir: str | Path = "runs") -> RunDir:
+    """Resolve a run given as a path or as a name under `runs_dir` (a unique prefix is enough)."""
+    p = Path(run)
+    if p.is_dir() and (p / "job.yaml").is_file():
+        return RunDir(p.resolve())
+    base = Path(runs_dir)
+    cand = base / str(run)
+    if cand.is_dir() and (cand / "job.yaml").is_file():
+        return RunDir(cand.resolve())
+    matches = sorted(d for d in base.glob(f"{run}*") if (d / "job.yaml").is_file()) if base.is_dir() else []
+    if len(matches) == 1:
+        return RunDir(matches[0].resolve())
+    if len(matches) > 1:
+        names = ", ".join(m.name for m in matches[:5])
+        raise HpcRlError(f"run {run!r} is ambiguous in {base}: {names}; give the full name")
+    raise HpcRlError(f"run {run!r} not found (looked for a run dir with job.yaml, and in {base}/); "
+                     "pass a run dir or a name listed by `hpc-rl status`")
