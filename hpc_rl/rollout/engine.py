@@ -1,0 +1,106 @@
+"""The Engine interface every rollout engine implements (HF fallback, vLLM), and engine selection.
+
+Tensor names are the HF `state_dict()` names of the causal LM (e.g. `model.layers.0.self_attn.q_proj.weight`).
+`load_weights` receives tensors already validated by `hpc_rl.rollout.weights.validate_named_tensors`
+against `param_specs()`; engines cast to their own dtype on load.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for the client
+    import torch
+
+    from ..config import JobConfig
+
+log = logging.getLogger("hpc_rl")
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings; top_k -1 means off, seed None means nondeterministic."""
+
+    n: int = 1
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class SampleOut:
+    """One sample: generated token ids (EOS included when it ended the sample), their raw log-probs
+    (log_softmax of the logits at temperature 1, before top-k/top-p), and "stop" or "length"."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class Engine(abc.ABC):
+    """A model that samples completions and can swap its weights in place."""
+
+    name: str = "engine"
+
+    @abc.abstractmethod
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        """For each prompt, `params.n` samples; deterministic for a given `params.seed`."""
+
+    @abc.abstractmethod
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
+
+    @abc.abstractmethod
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], "torch.dtype"]]:
+        """HF state-dict name -> (shape, dtype) of every weight the engine accepts."""
+
+    @abc.abstractmethod
+    def load_weights(self, named_tensors: list[tuple[str, "torch.Tensor"]]) -> None:
+        """Copy the (validated) tensors into the model in place; cast to the engine's dtype."""
+
+    def reset_cache(self) -> None:
+        """Drop any cached state computed with old weights (prefix/KV caches)."""
+
+    def close(self) -> None:
+        """Release the engine's resources."""
+
+
+def make_engine(cfg: "JobConfig", device: str = "cpu") -> Engine:
+    """The engine cfg.rollout.engine names: "hf", "vllm", or "auto" (vLLM when it imports and starts, else HF)."""
+    choice = cfg.rollout.engine
+    if choice == "hf":
+        from .engine_hf import HFEngine
+
+        log.info("rollout engine: hf (rollout.engine=hf)")
+        return HFEngine(cfg, device)
+    if choice == "vllm":
+        from .engine_vllm import VLLMEngine
+
+        log.info("rollout engine: vllm (rollout.engine=vllm)")
+        return VLLMEngine(cfg, device)
+    # auto: prefer vLLM, fall back to HF with the reason logged.
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install raising anything at import
+        log.info("rollout engine: hf (rollout.engine=auto; vllm does not import: %s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        from .engine_hf import HFEngine
+
+        return HFEngine(cfg, device)
+    try:
+        from .engine_vllm import VLLMEngine
+
+        eng = VLLMEngine(cfg, device)
+        log.info("rollout engine: vllm (rollout.engine=auto)")
+        return eng
+    except Exception as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        log.warning("rollout engine: hf (rollout.engine=auto; the vLLM engine could not start: %s)", msg)
+        from .engine_hf import HFEngine
+
+        return HFEngine(cfg, device)
