@@ -1,0 +1,91 @@
+"""KL estimators between the policy and the reference model, KL coefficient controllers, KL-in-reward."""
+
+from __future__ import annotations
+
+import torch
+
+KL_KINDS = ("k1", "k2", "k3")
+
+# exp(ref - logp) overflows for extreme tokens; clamping the log-ratio keeps k3 finite (verl does too).
+_LOG_RATIO_CLAMP = 20.0
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
+
+    k1 = logp - ref (unbiased, can be negative); k2 = 0.5 * (logp - ref)^2; k3 = exp(ref - logp)
+    - (ref - logp) - 1 (unbiased, low variance, always >= 0).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio**2
+    if kind == "k3":
+        x = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return torch.exp(x) - x - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+
+
+class FixedKLController:
+    """A constant KL coefficient."""
+
+    def __init__(self, coef: float):
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """No-op: the coefficient is fixed."""
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = float(state["value"])
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019; TRL/verl): steers the observed KL toward target."""
+
+    def __init__(self, init_coef: float, target: float, horizon: int):
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """value *= 1 + clip(current_kl / target - 1, -0.2, 0.2) * n_steps / horizon."""
+        err = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + err * n_steps / self.horizon
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state: dict) -> None:
+        # Only the coefficient is run state; target/horizon come from the (possibly edited) job spec.
+        self.value = float(state["value"])
+
+
+def make_kl_controller(kl_cfg) -> FixedKLController | AdaptiveKLController:
+    """Controller for an hpc_rl.config.KLConfig: adaptive when kl_cfg.adaptive, else fixed at kl_cfg.coef."""
+    if kl_cfg.adaptive:
+        return AdaptiveKLController(kl_cfg.coef, kl_cfg.target, kl_cfg.horizon)
+    return FixedKLController(kl_cfg.coef)
+
+
+@torch.no_grad()
+def apply_kl_to_rewards(
+    scores: torch.Tensor, kl_per_token: torch.Tensor, mask: torch.Tensor, coef: float
+) -> torch.Tensor:
+    """PPO "KL in reward": -coef * kl on every response token, plus the sequence score on the last one.
+
+    scores [B], kl_per_token/mask [B, T] -> token_rewards [B, T]. A row with no valid token gets no
+    score (there is no token to put it on).
+    """
+    m = mask.to(torch.bool)
+    rewards = torch.where(m, -coef * kl_per_token, torch.zeros_like(kl_per_token))
+    T = m.shape[1]
+    has_tokens = m.any(dim=1)
+    # Index of the last True per row: flip, argmax finds the first True from the right.
+    last = (T - 1) - torch.flip(m, dims=[1]).to(torch.int8).argmax(dim=1)
+    rows = torch.nonzero(has_tokens).squeeze(1)
+    rewards[rows, last[rows]] += scores[rows].to(rewards.dtype)
+    return rewards
