@@ -68,6 +68,8 @@ class RewardConfig:
 
     function: str = "hpc_rl.rewards.toy:repeat_digit"
     kwargs: dict = field(default_factory=dict)
+    # batched: fn(prompts, completions, **fields_as_lists) -> B floats, for functions that vectorize.
+    batched: bool = False
     scale: float = 1.0
     normalize: bool = False
     clip: Optional[float] = None

@@ -1,0 +1,44 @@
+"""Built-in toy tasks: prompts a random-init tiny model can learn by RL on a CPU in minutes.
+
+repeat_digit: the prompt is `copy D :` and the completion should repeat the digit D. The reward
+(hpc_rl.rewards.toy:repeat_digit) is the fraction of the first 4 non-space characters of the
+completion that equal D. A random policy over the ~33-token vocabulary scores about 0.03, so a
+mean reward of 0.8 means the policy really reads the digit from the prompt.
+"""
+
+from __future__ import annotations
+
+import random
+
+from ..errors import DataError
+
+
+def repeat_digit_rows(n: int, seed: int) -> list[dict]:
+    """`n` rows {prompt, ground_truth, id}; digits drawn uniformly with a fixed seed."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        d = str(rng.randrange(10))
+        rows.append({"id": i, "prompt": f"copy {d} :", "ground_truth": d})
+    return rows
+
+
+def repeat_digit_corpus() -> list[str]:
+    """Lines that cover every symbol the task uses (the tiny tokenizer is trained on them)."""
+    return [f"copy {d} : " + " ".join([d] * 4) for d in "0123456789"] + ["0123456789 :"]
+
+
+TOY_TASKS = {
+    "repeat_digit": (repeat_digit_rows, repeat_digit_corpus),
+}
+
+
+def toy_rows(name: str, n: int, seed: int) -> list[dict]:
+    if name not in TOY_TASKS:
+        raise DataError(f"data.source: unknown toy task 'toy:{name}'; available: "
+                        + ", ".join(f"toy:{k}" for k in TOY_TASKS))
+    return TOY_TASKS[name][0](n, seed)
+
+
+def toy_corpus(name: str) -> list[str]:
+    return TOY_TASKS[name][1]()

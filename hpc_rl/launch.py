@@ -1,0 +1,275 @@
+"""Starting a job's processes: the whole job on this machine (`hpc-rl run`), or one node's role inside a
+Slurm job (`run_node`). Both use the same trainer-rank and rollout-server processes."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from . import config, rundir
+from .config import JobConfig
+from .errors import HpcRlError
+from .netutil import advertise_host, free_port
+from .rundir import RunDir, read_json, write_json_atomic
+
+log = logging.getLogger("hpc_rl")
+
+
+# --------------------------------------------------------------------------- preparing a run dir
+
+
+def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]:
+    """Validate the job, create its run dir, build a tiny model if asked, write the resolved job.yaml.
+
+    Everything a user can get wrong is checked before the run dir exists or, failing after, the dir
+    is removed again: a run that never started leaves nothing behind.
+    """
+    from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
+    from .models.loading import load_tokenizer
+    from .rewards.base import load_reward_fn
+
+    cfg = config.load(job_path, overrides)
+    load_reward_fn(cfg.reward.function)
+    load_rows(cfg.data, cfg.seed)
+    run = rundir.create(cfg.output_dir, cfg.name)
+    try:
+        if cfg.model.tiny is not None:
+            from .models.tiny import build_tiny_model
+
+            build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init)
+            cfg.model.path = str(run.model_init)
+            cfg.model.tiny = None
+        else:
+            cfg.model.path = str(Path(cfg.model.path).resolve()) if Path(cfg.model.path).exists() else cfg.model.path
+        PromptDataset(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), cfg.seed)
+        if cfg.data.source.endswith((".jsonl", ".json", ".parquet")):
+            cfg.data.source = str(Path(cfg.data.source).resolve())
+        run.job_yaml.write_text(config.dump(cfg))
+    except BaseException:
+        shutil.rmtree(run.root, ignore_errors=True)
+        raise
+    return run, cfg
+
+
+def rollout_server_count(cfg: JobConfig) -> int:
+    """How many rollout servers a job runs (a local run runs at least one node's worth)."""
+    return max(1, cfg.rollout.nodes) * cfg.rollout.servers_per_node
+
+
+def clear_rendezvous(run: RunDir) -> None:
+    """Forget the addresses of a previous attempt (resume, requeue): new servers publish new ones."""
+    run.rendezvous.mkdir(parents=True, exist_ok=True)
+    for p in run.rendezvous.glob("*.json"):
+        p.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _base_env(cfg: JobConfig) -> dict:
+    env = dict(os.environ)
+    env.update({k: str(v) for k, v in cfg.env.vars.items()})
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        from .cluster.nccl import nccl_env  # set by the Slurm layer; safe defaults for shared clusters
+        env.update(nccl_env(cfg))
+    except ImportError:
+        pass
+    return env
+
+
+def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list | None = None) -> subprocess.Popen:
+    """One rollout server process; its output goes to logs/rollout-K.log."""
+    env = _base_env(cfg)
+    if devices:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    run.logs.mkdir(parents=True, exist_ok=True)
+    logf = open(run.logs / f"rollout-{index}.log", "ab")
+    cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _tee(src, path: Path, echo: bool) -> None:
+    with open(path, "ab") as f:
+        for line in iter(src.readline, b""):
+            f.write(line)
+            f.flush()
+            if echo:
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
+
+
+def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr: str, master_port: int,
+                        echo_rank0: bool = True) -> list[subprocess.Popen]:
+    """cfg.trainer.procs_per_node rank processes of this node; rank 0 is echoed to the console."""
+    ppn = cfg.trainer.procs_per_node
+    world = cfg.trainer.nodes * ppn
+    procs = []
+    for local in range(ppn):
+        rank = node_rank * ppn + local
+        env = _base_env(cfg)
+        env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
+                    "LOCAL_WORLD_SIZE": str(ppn), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
+        env.setdefault("OMP_NUM_THREADS", "1")
+        cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log", echo_rank0 and rank == 0),
+                         daemon=True).start()
+        p.hpc_rl_rank = rank  # type: ignore[attr-defined]
+        procs.append(p)
+    return procs
+
+
+def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM each process group, then SIGKILL what is left after `grace_s`."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.time() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return "\n".join(lines[-n:])
+
+
+def wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen]) -> int:
+    """Wait for every rank; the first one that fails stops all others at once (no hang until a timeout)."""
+    while True:
+        codes = [p.poll() for p in trainers]
+        failed = [(p, c) for p, c in zip(trainers, codes) if c not in (None, 0)]
+        if failed:
+            p, code = failed[0]
+            rank = p.hpc_rl_rank  # type: ignore[attr-defined]
+            stop_processes([q for q in trainers if q is not p] + others)
+            if code == 2 and rank == 0:
+                return 2  # a user error: rank 0 already printed it
+            log.error("trainer rank %d exited with code %d on %s; last lines of logs/trainer-%d.log:\n%s",
+                      rank, code, os.uname().nodename, rank, _tail(run.logs / f"trainer-{rank}.log"))
+            return code if code > 0 else 1
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.3)
+
+
+# --------------------------------------------------------------------------- hpc-rl run
+
+
+def run_local(run: RunDir, cfg: JobConfig) -> int:
+    """The whole job on this machine: rollout server(s), then the trainer ranks; waits for the end."""
+    clear_rendezvous(run)
+    n_servers = rollout_server_count(cfg)
+    servers = []
+    trainers: list[subprocess.Popen] = []
+    try:
+        devs = list(cfg.rollout.local_devices)
+        per = cfg.rollout.tensor_parallel
+        for k in range(n_servers):
+            servers.append(start_rollout_server(run, cfg, k, devs[k * per:(k + 1) * per] if devs else None))
+        log.info("run dir %s: %d rollout server(s), %d trainer rank(s)", run.root, n_servers, cfg.world_size)
+        if cfg.trainer.nodes != 1:
+            log.warning("trainer.nodes=%d: a local run uses this machine only (%d ranks)", cfg.trainer.nodes,
+                        cfg.trainer.procs_per_node)
+            cfg.trainer.nodes = 1
+            run.job_yaml.write_text(config.dump(cfg))
+        trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"))
+        code = wait_trainers(run, trainers, servers)
+    except KeyboardInterrupt:
+        stop_processes(trainers + servers)
+        raise
+    write_json_atomic(run.done_file, read_json(run.done_file) or {"exit_code": code, "time": time.time()})
+    stop_processes(servers)
+    if code == 0:
+        log.info("run finished: %s", run.root)
+    return code
+
+
+def run_local_job(job_path: str, overrides: list[str], resume: str | None = None) -> int:
+    """`hpc-rl run JOB.yaml [overrides] [--resume RUN_DIR]`."""
+    from .logs import setup_logging
+
+    setup_logging(0)
+    if resume:
+        run = rundir.find(resume)
+        cfg = config.load(run.job_yaml, overrides)
+        if overrides:
+            run.job_yaml.write_text(config.dump(cfg))
+        log.info("resuming %s", run.root)
+    else:
+        run, cfg = prepare_run(job_path, overrides)
+    return run_local(run, cfg)
+
+
+# --------------------------------------------------------------------------- one node of a Slurm job
+
+
+def _wait_for(path: Path, timeout_s: float, what: str) -> dict:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        data = read_json(path)
+        if data is not None:
+            return data
+        time.sleep(0.5)
+    raise HpcRlError(f"timed out after {timeout_s:.0f}s waiting for {what} ({path}); check the first trainer "
+                     "node's log (hpc-rl logs RUN --role trainer)")
+
+
+def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
+    """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
+    cfg = config.load(run.job_yaml)
+    expected = cfg.trainer.nodes + cfg.rollout.nodes
+    if num_nodes != expected:
+        raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes + rollout.nodes = {expected}; "
+                         "submit with hpc-rl submit so the node count matches the spec")
+    if node_index < cfg.trainer.nodes:
+        if node_index == 0:
+            write_json_atomic(run.master_file, {"addr": advertise_host(), "port": free_port(),
+                                                "host": os.uname().nodename})
+        master = _wait_for(run.master_file, cfg.rollout.startup_timeout_s, "the first trainer node's address")
+        log.info("node %d (%s): trainer ranks %d..%d, master %s:%s", node_index, os.uname().nodename,
+                 node_index * cfg.trainer.procs_per_node, (node_index + 1) * cfg.trainer.procs_per_node - 1,
+                 master["addr"], master["port"])
+        ranks = start_trainer_ranks(run, cfg, node_index, master["addr"], int(master["port"]))
+        return wait_trainers(run, ranks, [])
+    first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
+    servers = [start_rollout_server(run, cfg, first + j) for j in range(cfg.rollout.servers_per_node)]
+    log.info("node %d (%s): rollout server(s) %s", node_index, os.uname().nodename,
+             list(range(first, first + len(servers))))
+    try:
+        while True:
+            if run.done_file.exists():
+                stop_processes(servers)
+                return 0
+            dead = [(first + j, p.poll()) for j, p in enumerate(servers) if p.poll() is not None]
+            if dead:
+                k, code = dead[0]
+                log.error("rollout server %d exited with code %s on %s; last lines:\n%s", k, code,
+                          os.uname().nodename, _tail(run.logs / f"rollout-{k}.log"))
+                stop_processes(servers)
+                return code or 1
+            time.sleep(1.0)
+    finally:
+        stop_processes(servers)

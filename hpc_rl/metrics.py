@@ -1,0 +1,85 @@
+"""Per-step metrics from rank 0: metrics.jsonl always (flushed each step), TensorBoard when installed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from pathlib import Path
+
+log = logging.getLogger("hpc_rl")
+
+# The one line per step, in this order; other metrics go to the files only.
+STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("kl", "kl", "{:.4f}"), ("policy_loss", "pg_loss", "{:.4f}"),
+             ("value_loss", "vf_loss", "{:.4f}"), ("entropy", "entropy", "{:.3f}"), ("grad_norm", "grad", "{:.3f}"),
+             ("step_seconds", "s/step", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}")]
+
+
+def format_step_line(step: int, total: int, m: dict) -> str:
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in STEP_LINE:
+        if key in m and m[key] is not None:
+            v = m[key]
+            parts.append(f"{label} {fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else v}")
+    return " | ".join(parts)
+
+
+class MetricsWriter:
+    """Append-only metrics.jsonl (a resumed run drops rows past its checkpoint step) + TensorBoard."""
+
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, resume_step: int | None = None):
+        self.path = path
+        if resume_step is not None and path.exists():
+            self._truncate_after(resume_step)
+        self._f = open(path, "a", encoding="utf-8")
+        self._tb = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self._tb = SummaryWriter(str(tensorboard_dir))
+            except Exception as e:  # tensorboard not installed: JSONL alone is the record
+                log.debug("TensorBoard disabled: %s", e)
+
+    def _truncate_after(self, step: int) -> None:
+        # Steps after the checkpoint are re-run on resume; keep one row per step.
+        keep = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut off by a kill
+            if row.get("step", 0) <= step:
+                keep.append(line)
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def write(self, step: int, metrics: dict) -> None:
+        row = {"step": step, "time": time.time()}
+        row.update({k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()})
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All complete rows of a metrics.jsonl (a last line cut off by a kill is skipped)."""
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows

@@ -1,0 +1,119 @@
+"""Load reward callables by dotted path, call them, and validate what they return."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+from typing import Callable
+
+import numpy as np
+
+from ..config import RewardConfig
+from ..errors import RewardError
+
+
+def load_reward_fn(spec: str) -> Callable:
+    """`pkg.mod:fn` (or `pkg.mod.fn`) -> the callable; RewardError naming what failed."""
+    if ":" in spec:
+        mod_name, attr = spec.split(":", 1)
+    else:
+        mod_name, _, attr = spec.rpartition(".")
+    if not mod_name or not attr:
+        raise RewardError(f"reward.function: {spec!r} is not a dotted path; use 'package.module:function'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise RewardError(f"reward.function: cannot import module {mod_name!r} ({e}); check the path and that "
+                          "the package is installed in this env") from None
+    fn = getattr(mod, attr, None)
+    if fn is None or not callable(fn):
+        raise RewardError(f"reward.function: {mod_name!r} has no callable {attr!r}")
+    return fn
+
+
+def _as_float(value, spec: str, index: int) -> float:
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, numbers.Real):
+        f = float(value)
+    elif isinstance(value, np.ndarray) and value.shape == ():
+        f = float(value)
+    elif hasattr(value, "shape") and tuple(getattr(value, "shape")) == () and hasattr(value, "item"):
+        f = float(value.item())
+    else:
+        shape = getattr(value, "shape", None)
+        desc = f"shape {tuple(shape)}" if shape is not None else type(value).__name__
+        raise RewardError(f"reward.function {spec}: sample {index} returned {desc}; a reward must be one float "
+                          "per sample")
+    if not math.isfinite(f):
+        raise RewardError(f"reward.function {spec}: sample {index} returned {f}; rewards must be finite "
+                          "(check for division by zero or log(0))")
+    return f
+
+
+def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], completions: list[str],
+                    rows: list[dict]) -> np.ndarray:
+    """Call the reward function on every sample; one finite float each, else RewardError naming the sample."""
+    spec = cfg.function
+    n = len(completions)
+    if cfg.batched:
+        fields: dict[str, list] = {}
+        for r in rows:
+            for k in r:
+                fields.setdefault(k, [])
+        for k in list(fields):
+            if k in ("prompt",):
+                del fields[k]
+                continue
+            fields[k] = [r.get(k) for r in rows]
+        try:
+            out = fn(prompts, completions, **fields, **cfg.kwargs)
+        except Exception as e:
+            raise RewardError(f"reward.function {spec} raised {type(e).__name__}: {e}") from None
+        arr = np.asarray(out, dtype=object) if not hasattr(out, "shape") else out
+        shape = tuple(getattr(arr, "shape", (len(out),)))
+        if shape != (n,):
+            raise RewardError(f"reward.function {spec}: returned shape {shape} for {n} samples; return one float "
+                              f"per sample, shape ({n},)")
+        values = [_as_float(v, spec, i) for i, v in enumerate(list(out))]
+    else:
+        values = []
+        for i, (p, c, r) in enumerate(zip(prompts, completions, rows)):
+            extra = {k: v for k, v in r.items() if k != "prompt"}
+            try:
+                v = fn(p, c, **extra, **cfg.kwargs)
+            except Exception as e:
+                raise RewardError(f"reward.function {spec} raised {type(e).__name__} on sample {i}: {e}") from None
+            values.append(_as_float(v, spec, i))
+    return np.asarray(values, dtype=np.float64)
+
+
+class RewardShaper:
+    """Scale, optional running mean/std normalization, and clipping of scores (state is checkpointed)."""
+
+    def __init__(self, cfg: RewardConfig):
+        self.cfg = cfg
+        self.count = 0
+        self.mean = 0.0
+        self.m2 = 0.0
+
+    def __call__(self, scores: np.ndarray) -> np.ndarray:
+        out = scores * self.cfg.scale
+        if self.cfg.normalize:
+            for x in out:  # Welford: exact running statistics whatever the batch sizes
+                self.count += 1
+                d = x - self.mean
+                self.mean += d / self.count
+                self.m2 += d * (x - self.mean)
+            std = math.sqrt(self.m2 / (self.count - 1)) if self.count > 1 else 1.0
+            out = (out - self.mean) / (std + 1e-8)
+        if self.cfg.clip is not None:
+            out = np.clip(out, -self.cfg.clip, self.cfg.clip)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "mean": self.mean, "m2": self.m2}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count, self.mean, self.m2 = state["count"], state["mean"], state["m2"]

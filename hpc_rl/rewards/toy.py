@@ -1,0 +1,7 @@
+"""Rewards of the built-in toy tasks (hpc_rl.data.toy)."""
+
+
+def repeat_digit(prompt: str, completion: str, ground_truth: str, **_) -> float:
+    """Fraction of the first 4 non-space characters of the completion that equal the prompt's digit."""
+    chars = [c for c in completion if not c.isspace()][:4]
+    return sum(c == ground_truth for c in chars) / 4.0

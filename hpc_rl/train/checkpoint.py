@@ -1,0 +1,176 @@
+"""Checkpoints: checkpoints/step_N/{hf/, deepspeed/, trainer_state.json, manifest.json}, written atomically.
+
+Everything is written under `.step_N.tmp`, then renamed; `latest` is replaced last. A manifest of file
+sizes lets resume reject a checkpoint whose files were cut short (falling back to an older one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError
+from ..rundir import RunDir, find, write_json_atomic
+from .distributed import barrier
+
+log = logging.getLogger("hpc_rl")
+
+SHARD_BYTES = 4 * 1024**3
+
+
+def step_dir(run: RunDir, step: int) -> Path:
+    return run.checkpoints / f"step_{step}"
+
+
+def save_hf_folder(state_dict: dict[str, torch.Tensor], model_config, tokenizer, out: Path) -> None:
+    """An HF model folder (safetensors, sharded past 4 GiB) that from_pretrained loads without hpc-rl."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    if getattr(model_config, "tie_word_embeddings", False):
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for k, v in state_dict.items():
+        nbytes = v.numel() * v.element_size()
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v.contiguous()
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state_dict.values())
+        (out / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    model_config.save_pretrained(out)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def _manifest(root: Path) -> dict:
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and p.name != "manifest.json":
+            files[str(p.relative_to(root))] = p.stat().st_size
+    return {"files": files}
+
+
+def verify(path: Path) -> bool:
+    """True when every file the manifest lists exists with its recorded size."""
+    mf = path / "manifest.json"
+    try:
+        files = json.loads(mf.read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    for rel, size in files.items():
+        p = path / rel
+        try:
+            if p.stat().st_size != size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_dict: dict | None,
+         model_config, tokenizer, keep_last: int, rank: int) -> Path | None:
+    """Collective: every rank writes its DeepSpeed shards; rank 0 writes HF weights, state, manifest, `latest`."""
+    final = step_dir(run, step)
+    tmp = run.checkpoints / f".step_{step}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    for name, engine in engines.items():
+        engine.save_checkpoint(str(tmp / "deepspeed" / name), tag="state", save_latest=False)
+    barrier()
+    if rank == 0:
+        if hf_state_dict is not None:
+            save_hf_folder(hf_state_dict, model_config, tokenizer, tmp / "hf")
+        (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        write_json_atomic(tmp / "manifest.json", _manifest(tmp))
+        if final.exists():  # a re-run of this step after a resume
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        (run.checkpoints / ".latest.tmp").write_text(final.name)
+        os.replace(run.checkpoints / ".latest.tmp", run.checkpoints / "latest")
+        _prune(run, keep_last, final)
+    barrier()
+    return final if rank == 0 else None
+
+
+def _prune(run: RunDir, keep_last: int, latest: Path) -> None:
+    steps = sorted((p for p in run.checkpoints.glob("step_*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+    for p in steps[:-keep_last]:
+        if p != latest:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def list_checkpoints(run: RunDir) -> list[Path]:
+    return sorted((p for p in run.checkpoints.glob("step_*") if p.is_dir() and p.name[5:].isdigit()),
+                  key=lambda p: int(p.name[5:]))
+
+
+def find_latest(run: RunDir) -> Path | None:
+    """The newest complete checkpoint: `latest` when it verifies, else the newest older one that does."""
+    pointer = run.checkpoints / "latest"
+    candidates = list_checkpoints(run)[::-1]
+    if pointer.is_file():
+        named = run.checkpoints / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for c in candidates:
+        if verify(c):
+            return c
+        log.warning("checkpoint %s is incomplete (files missing or cut short); skipping it", c)
+    return None
+
+
+def load(path: Path, engines: dict) -> dict:
+    """Load every engine's DeepSpeed state (collective) and return the trainer state."""
+    for name, engine in engines.items():
+        load_path, _ = engine.load_checkpoint(str(path / "deepspeed" / name), tag="state",
+                                              load_module_strict=True, load_optimizer_states=True,
+                                              load_lr_scheduler_states=True)
+        if load_path is None:
+            raise CheckpointError(f"{path}: no DeepSpeed state for {name}; the checkpoint is incomplete — "
+                                  "remove it to resume from an older one")
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+def export_hf(run: str, out: str, step: int | None = None, runs_dir: str = "runs") -> int:
+    """`hpc-rl export`: copy a checkpoint's HF folder to `out` (latest complete one by default)."""
+    rd = find(run, runs_dir)
+    if step is None:
+        ck = find_latest(rd)
+        if ck is None:
+            raise CheckpointError(f"{rd.root}: no complete checkpoint; set checkpoint.every > 0 and run longer")
+    else:
+        ck = step_dir(rd, step)
+        if not ck.is_dir():
+            have = ", ".join(p.name[5:] for p in list_checkpoints(rd)) or "none"
+            raise CheckpointError(f"{rd.root}: no checkpoint for step {step}; available steps: {have}")
+        if not verify(ck):
+            raise CheckpointError(f"{ck}: incomplete checkpoint (files missing or cut short); pick another --step")
+    src = ck / "hf"
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{ck}: has no hf/ folder (checkpoint.save_hf was false)")
+    dest = Path(out)
+    if dest.exists() and any(dest.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; choose a new folder")
+    shutil.copytree(src, dest, dirs_exist_ok=True)
+    print(f"exported {ck.name} of {rd.name} to {dest}")
+    return 0

@@ -1,0 +1,86 @@
+"""torch.distributed set-up for trainer ranks: gloo on CPU, NCCL on GPU, each rank on its own device."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..config import JobConfig
+
+log = logging.getLogger("hpc_rl")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device_kind(cfg: JobConfig) -> str:
+    """'cuda' or 'cpu' for the trainer ranks ('auto': cuda when a GPU is visible)."""
+    if cfg.trainer.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.trainer.device
+
+
+def init_distributed(cfg: JobConfig) -> DistInfo:
+    """Join the trainer process group from RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT."""
+    import deepspeed
+
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    kind = resolve_device_kind(cfg)
+    if kind == "cuda":
+        # SLURM_LOCALID / LOCAL_RANK names exactly one GPU per rank; local_devices remaps for `hpc-rl run`.
+        index = int(cfg.trainer.local_devices[local_rank]) if cfg.trainer.local_devices else local_rank
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        # Ranks share the machine's cores with each other and the rollout server.
+        torch.set_num_threads(int(os.environ.get("HPC_RL_TRAINER_THREADS", "1")))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s),
+                               verbose=False)
+    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj, src: int = 0):
+    """Send a picklable object from `src` to every rank (rank 0 is the controller)."""
+    if not torch.distributed.is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_scalar(value: float, op: str = "sum") -> float:
+    if not torch.distributed.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    if torch.distributed.get_backend() == "nccl":
+        t = t.cuda()
+    red = {"sum": torch.distributed.ReduceOp.SUM, "max": torch.distributed.ReduceOp.MAX,
+           "min": torch.distributed.ReduceOp.MIN}[op]
+    torch.distributed.all_reduce(t, op=red)
+    return float(t.item())

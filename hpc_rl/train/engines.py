@@ -1,0 +1,109 @@
+"""The DeepSpeed engines of a trainer rank: actor and critic (ZeRO-3, trained) and a frozen reference."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+
+from ..config import JobConfig
+from ..models.loading import check_model_dir, torch_dtype
+from . import ds_config
+
+log = logging.getLogger("hpc_rl")
+
+
+def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, **kwargs):
+    """Load under an active HfDeepSpeedConfig so ZeRO-3 partitions the weights while they load."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    check_model_dir(path)
+    keep_alive = HfDeepSpeedConfig(ds) if ds["zero_optimization"]["stage"] == 3 else None  # noqa: F841
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = auto_cls.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype),
+                                         attn_implementation=cfg.model.attn_implementation,
+                                         trust_remote_code=cfg.model.trust_remote_code, **kwargs)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model, keep_alive
+
+
+def _optimizer(model, lr: float, cfg: JobConfig):
+    params = [p for p in model.parameters() if p.requires_grad]
+    return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
+
+
+def _scheduler(optimizer, cfg: JobConfig):
+    warm = cfg.trainer.warmup_steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+
+
+def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    ds = ds_config.render(cfg, world_size, device_kind)
+    model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
+    opt = _optimizer(model, cfg.trainer.lr, cfg)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
+    engine._hpc_rl_keep = keep
+    return engine
+
+
+def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
+    """A token-classification model with one label: the value of every position."""
+    import deepspeed
+    from transformers import AutoModelForTokenClassification
+
+    ds = ds_config.render(cfg, world_size, device_kind)
+    path = cfg.model.critic_path or cfg.model.path
+    model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, num_labels=1)
+    opt = _optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
+    engine._hpc_rl_keep = keep
+    return engine
+
+
+def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
+    """The frozen initial policy for KL, as a ZeRO-3 inference engine (no optimizer state)."""
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    ds = ds_config.render(cfg, world_size, device_kind, train=False)
+    model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    engine.eval()
+    engine._hpc_rl_keep = keep
+    return engine
+
+
+def gather_state_dict(engine, on_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
+    """The full HF state dict of a ZeRO-3 engine's model, module by module (bounded peak memory).
+
+    Collective: every rank must call it. Returns CPU tensors on rank 0 (None elsewhere when on_rank0_only).
+    """
+    import deepspeed
+
+    model = engine.module
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    out: dict[str, torch.Tensor] = {}
+    for mod_name, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            if rank == 0 or not on_rank0_only:
+                for pname, p in params:
+                    key = f"{mod_name}.{pname}" if mod_name else pname
+                    out[key] = p.detach().to("cpu", copy=True)
+    for name, buf in model.named_buffers():
+        if (rank == 0 or not on_rank0_only) and name in model.state_dict():
+            out[name] = buf.detach().to("cpu", copy=True)
+    if on_rank0_only and rank != 0:
+        return None
+    return out

@@ -1,0 +1,45 @@
+"""Entry point of one trainer rank: `python -m hpc_rl.train.main --run-dir RUN` (env RANK/WORLD_SIZE/...)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+
+from ..errors import HpcRlError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hpc_rl.train.main")
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", 0))
+    from ..logs import setup_logging
+
+    log = setup_logging(rank)
+    try:
+        from .. import config
+        from ..rundir import RunDir
+        from .distributed import init_distributed
+        from .trainer import Trainer
+
+        run = RunDir(os.path.abspath(args.run_dir))
+        cfg = config.load(run.job_yaml)
+        dist = init_distributed(cfg)
+        trainer = Trainer(cfg, run, dist)
+        trainer.resume_if_possible()
+        trainer.connect_rollout()
+        trainer.fit()
+        return 0
+    except HpcRlError as e:
+        # The launcher prints rank 0's last line as the run's error.
+        log.error("error: %s", e)
+        return 2
+    except Exception:
+        log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,338 @@
+"""The RL loop of DESIGN.md "One RL iteration": rank 0 is the controller, every rank trains its shard."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+from ..algos.advantages import (broadcast_sequence_advantage, gae, grpo_advantages, reinforce_pp_advantages,
+                                rloo_advantages)
+from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
+from ..algos.losses import aggregate, policy_loss, value_loss
+from ..algos.utils import masked_mean, masked_whiten
+from ..config import JobConfig
+from ..errors import RolloutError, TrainingError
+from ..metrics import MetricsWriter, format_step_line
+from ..models.loading import load_tokenizer
+from ..rundir import RunDir, write_json_atomic
+from . import checkpoint
+from .distributed import DistInfo, all_reduce_scalar, broadcast_object, resolve_device_kind
+from .engines import build_actor, build_critic, build_reference, gather_state_dict
+from .experience import Batch, batched_forward, pack, policy_forward, value_forward
+
+log = logging.getLogger("hpc_rl")
+debug = os.environ.get("HPC_RL_DEBUG") == "1"
+
+
+class Trainer:
+    """Holds the engines of one rank; rank 0 also holds the data, the reward and the rollout client."""
+
+    def __init__(self, cfg: JobConfig, run: RunDir, dist: DistInfo):
+        self.cfg, self.run, self.dist = cfg, run, dist
+        self.device_kind = resolve_device_kind(cfg)
+        t0 = time.time()
+        self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        self.actor = build_actor(cfg, dist.world_size, self.device_kind)
+        self.critic = build_critic(cfg, dist.world_size, self.device_kind) if cfg.algorithm.uses_critic else None
+        a = cfg.algorithm
+        self.use_ref = a.kl.coef > 0 or a.kl.adaptive
+        self.ref = build_reference(cfg, dist.world_size, self.device_kind) if self.use_ref else None
+        self.kl_ctl = make_kl_controller(a.kl)
+        self.engines = {"actor": self.actor}
+        if self.critic is not None:
+            self.engines["critic"] = self.critic
+        if debug and dist.is_main:
+            log.debug("engines built in %.1fs: actor%s%s on %s x %d (%s)", time.time() - t0,
+                      " + critic" if self.critic else "", " + reference" if self.ref else "", self.device_kind,
+                      dist.world_size, dist.backend)
+        self.step = 0
+        self.nonfinite_in_a_row = 0
+        self.policy_version = 0
+        self.client = None
+        self.metrics = None
+        if dist.is_main:
+            from ..data.datasets import PromptDataset
+            from ..rewards.base import RewardShaper, load_reward_fn
+
+            self.dataset = PromptDataset(cfg.data, self.tokenizer, cfg.seed)
+            self.reward_fn = load_reward_fn(cfg.reward.function)
+            self.shaper = RewardShaper(cfg.reward)
+
+    # ------------------------------------------------------------------ set-up
+
+    def resume_if_possible(self) -> None:
+        """Continue from the newest complete checkpoint of this run dir, if any (all ranks agree)."""
+        path = checkpoint.find_latest(self.run) if self.dist.is_main else None
+        path = broadcast_object(str(path) if path else None)
+        if path is None:
+            return
+        from pathlib import Path
+
+        state = checkpoint.load(Path(path), self.engines)
+        self.step = state["step"]
+        self.policy_version = state["step"]
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        if self.dist.is_main:
+            self.shaper.load_state_dict(state["reward_shaper"])
+            log.info("resumed from %s (step %d)", path, self.step)
+
+    def connect_rollout(self) -> None:
+        if not self.dist.is_main:
+            return
+        from ..rollout.client import RolloutClient
+
+        self.client = RolloutClient.from_run_dir(self.run, self.cfg)
+        from ..launch import rollout_server_count
+
+        expected = rollout_server_count(self.cfg)
+        self.client.wait_ready(expected, self.cfg.rollout.startup_timeout_s)
+        self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if self.cfg.logging.tensorboard else None,
+                                     resume_step=self.step)
+
+    # ------------------------------------------------------------------ one step
+
+    def _generate(self, step: int):
+        """Rank 0: prompts for this step, their samples and rewards; returns the payload for all ranks."""
+        from ..data.sampler import indices_for_step
+        from ..rewards.base import compute_rewards
+        from ..rollout.engine import SamplingParams
+
+        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
+        prompts = [self.dataset.token_ids[i] for i in idx]
+        stop_ids = sorted({self.tokenizer.eos_token_id, *self._stop_ids()})
+        params = SamplingParams(n=a.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids,
+                                seed=(cfg.seed * 1_000_003 + step) % (2**31))
+        t0 = time.time()
+        res = self.client.generate(prompts, params, step=step)
+        gen_s = time.time() - t0
+        lag = [self.policy_version - v for v in res.policy_versions]
+        if max(lag) > r.max_policy_lag:
+            raise RolloutError(f"step {step}: rollout servers answered with policy version {min(res.policy_versions)}"
+                               f" but the trainer is at {self.policy_version}; a server missed a weight update "
+                               "(raise rollout.max_policy_lag to accept off-policy samples)")
+        prompt_ids, resp_ids, texts, rows, rollout_lp = [], [], [], [], []
+        for i, samples in zip(idx, res.outputs):
+            for s in samples:
+                prompt_ids.append(self.dataset.token_ids[i])
+                resp_ids.append(list(s.token_ids))
+                rollout_lp.append(list(s.logprobs))
+                texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                rows.append(self.dataset.rows[i])
+        t1 = time.time()
+        scores = compute_rewards(self.reward_fn, cfg.reward, [self.dataset.texts[i] for i in idx
+                                                                for _ in range(a.group_size)], texts, rows)
+        shaped = self.shaper(scores)
+        reward_s = time.time() - t1
+        gen_tokens = sum(len(x) for x in resp_ids)
+        stats = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
+                 "reward_max": float(scores.max()), "response_len": gen_tokens / len(resp_ids),
+                 "gen_seconds": gen_s, "reward_seconds": reward_s,
+                 "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+                 "prompt_ids": [int(self.dataset.rows[i]["id"]) for i in idx]}
+        if debug:
+            log.debug("step %d: %d prompts x %d samples, response tokens %d, sample: %r -> %r (%.2f)", step,
+                      len(idx), a.group_size, gen_tokens, self.dataset.texts[idx[0]], texts[0], scores[0])
+        return {"prompts": prompt_ids, "responses": resp_ids, "scores": shaped.tolist(), "stats": stats}
+
+    def _stop_ids(self) -> list[int]:
+        ids = []
+        for s in self.cfg.rollout.stop:
+            toks = self.tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(toks) == 1:
+                ids.append(toks[0])
+        return ids
+
+    def _advantages(self, batch: Batch, scores: torch.Tensor, old_lp, ref_lp, values, seq_adv):
+        """Per-token advantages and returns for this rank's shard (whitening uses global statistics)."""
+        a = self.cfg.algorithm
+        mask = batch.response_mask
+        kl_tok = kl_estimate(old_lp, ref_lp, a.kl.estimator) if ref_lp is not None else torch.zeros_like(old_lp)
+        coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
+        returns = None
+        if a.name == "ppo":
+            token_rewards = apply_kl_to_rewards(scores, kl_tok, mask, coef)
+            adv, returns = gae(token_rewards, values, mask, a.gamma, a.lam)
+            if a.whiten_advantages:
+                adv = masked_whiten(adv, mask, distributed=True)
+        elif a.name == "reinforce_pp":
+            token_rewards = apply_kl_to_rewards(scores, kl_tok, mask, coef)
+            adv = reinforce_pp_advantages(token_rewards, mask, a.gamma, distributed=True)
+        else:
+            adv = broadcast_sequence_advantage(seq_adv, mask)
+        return adv, returns, kl_tok
+
+    def train_step(self, step: int) -> dict:
+        """One RL iteration; collective over all trainer ranks. Returns metrics on rank 0."""
+        cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
+        t_start = time.time()
+        payload = self._generate(step) if dist.is_main else None
+        payload = broadcast_object(payload)
+        scores_all = torch.tensor(payload["scores"], dtype=torch.float32)
+        # Group advantages need whole groups: computed over the full batch before sharding.
+        seq_adv_all = None
+        if a.name == "grpo":
+            seq_adv_all = grpo_advantages(scores_all, a.group_size, a.norm_adv_by_std)
+        elif a.name == "rloo":
+            seq_adv_all = rloo_advantages(scores_all, a.group_size)
+        n = len(payload["prompts"])
+        per_rank = n // dist.world_size
+        mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+        batch = pack(payload["prompts"][mine], payload["responses"][mine], self.tokenizer.pad_token_id)
+        batch = batch.to(dist.device)
+        scores = scores_all[mine].to(dist.device)
+        seq_adv = seq_adv_all[mine].to(dist.device) if seq_adv_all is not None else None
+        micro = self.cfg.trainer.micro_batch_size or cfg.trainer.mini_batch_size // dist.world_size
+        temp = cfg.rollout.temperature
+
+        t0 = time.time()
+        self.actor.eval()
+        old_lp = batched_forward(policy_forward, self.actor, batch, micro, temperature=temp)
+        ref_lp = batched_forward(policy_forward, self.ref, batch, micro, temperature=temp) if self.ref else None
+        values = None
+        if self.critic is not None:
+            self.critic.eval()
+            values = batched_forward(value_forward, self.critic, batch, micro)
+        t_fwd = time.time() - t0
+        adv, returns, kl_tok = self._advantages(batch, scores, old_lp, ref_lp, values, seq_adv)
+        mask = batch.response_mask
+
+        t0 = time.time()
+        stats = self._update(batch, old_lp, ref_lp, adv, returns, values)
+        t_update = time.time() - t0
+
+        # Weight sync: every rank joins the gather; rank 0 pushes to the rollout servers.
+        t0 = time.time()
+        self.policy_version = step + 1
+        sd = gather_state_dict(self.actor)
+        sync = {}
+        if dist.is_main:
+            sync = self.client.push_weights(list(sd.items()), version=self.policy_version)
+        del sd
+        t_sync = time.time() - t0
+
+        kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.ref else 0.0) / dist.world_size
+        self.kl_ctl.update(kl_mean, cfg.samples_per_step)
+        metrics = {k: all_reduce_scalar(v) / dist.world_size for k, v in stats.items()}
+        if not dist.is_main:
+            return {}
+        m = dict(payload["stats"])
+        m.update(metrics)
+        m.update({"kl": kl_mean, "kl_coef": self.kl_ctl.value, "forward_seconds": t_fwd, "update_seconds": t_update,
+                  "sync_seconds": t_sync, "sync_bytes": sync.get("bytes", 0), "step_seconds": time.time() - t_start,
+                  "policy_version": self.policy_version})
+        return m
+
+    def _update(self, batch: Batch, old_lp, ref_lp, adv, returns, old_values) -> dict:
+        """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped."""
+        cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
+        per_rank_mb = cfg.trainer.mini_batch_size // dist.world_size
+        micro = cfg.trainer.micro_batch_size or per_rank_mb
+        n = batch.size
+        rng = np.random.default_rng([cfg.seed, self.step, dist.rank])
+        sums: dict[str, float] = {}
+        count = 0
+        skipped = 0
+        grad_norms = []
+        self.actor.train()
+        if self.critic is not None:
+            self.critic.train()
+        use_kl_loss = self.use_ref and not a.kl_in_reward
+        for _epoch in range(a.ppo_epochs):
+            order = torch.as_tensor(rng.permutation(n))
+            for mb_start in range(0, n, per_rank_mb):
+                mb_idx = order[mb_start:mb_start + per_rank_mb]
+                for s in range(0, len(mb_idx), micro):
+                    idx = mb_idx[s:s + micro].to(batch.input_ids.device)
+                    mb = batch.slice(idx)
+                    mask = mb.response_mask
+                    logp, ent = policy_forward(self.actor, mb, cfg.rollout.temperature, with_entropy=True)
+                    pg, st = policy_loss(logp, old_lp[idx], adv[idx], mask, a.clip_ratio, a.loss_agg)
+                    loss = pg
+                    entropy = aggregate(ent, mask, a.loss_agg)
+                    if a.entropy_coef:
+                        loss = loss - a.entropy_coef * entropy
+                    if use_kl_loss:
+                        kl_loss = aggregate(kl_estimate(logp, ref_lp[idx], a.kl.estimator), mask, a.loss_agg)
+                        loss = loss + self.kl_ctl.value * kl_loss
+                        st["kl_loss"] = float(kl_loss.detach())
+                    # A non-finite loss still goes through backward: its NaN gradient norm makes DeepSpeed
+                    # discard the optimizer step on every rank alike (was_step_applied() is False).
+                    self.actor.backward(loss)
+                    self.actor.step()
+                    st.update({"policy_loss": float(pg.detach()), "entropy": float(entropy.detach())})
+                    if self.critic is not None:
+                        v = value_forward(self.critic, mb)
+                        vl, vst = value_loss(v, old_values[idx], returns[idx], mask, a.value_clip, a.loss_agg)
+                        self.critic.backward(a.value_coef * vl)
+                        self.critic.step()
+                        st.update(vst)
+                        st["value_loss"] = float(vl.detach())
+                    for k, val in st.items():
+                        sums[k] = sums.get(k, 0.0) + (val if math.isfinite(val) else float("nan"))
+                    count += 1
+                # The last micro-batch closed the accumulation window: the optimizer step happened (or was
+                # discarded for a non-finite gradient norm).
+                applied = self.actor.was_step_applied() and (self.critic is None or self.critic.was_step_applied())
+                gn = self.actor.get_global_grad_norm()
+                if gn is not None:
+                    grad_norms.append(float(gn))
+                if not applied:
+                    skipped += 1
+        out = {k: v / max(count, 1) for k, v in sums.items()}
+        out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+        out["skipped_updates"] = float(skipped)
+        self._skipped_this_step = skipped > 0
+        return out
+
+    # ------------------------------------------------------------------ loop
+
+    def fit(self) -> None:
+        cfg, dist = self.cfg, self.dist
+        total = cfg.trainer.steps
+        if self.step > 0:
+            # The servers start from the initial weights: give them the resumed policy first.
+            sd = gather_state_dict(self.actor)
+            if dist.is_main:
+                self.client.push_weights(list(sd.items()), version=self.policy_version)
+            del sd
+        while self.step < total:
+            step = self.step
+            m = self.train_step(step)
+            self.step = step + 1
+            nonfinite = all_reduce_scalar(1.0 if getattr(self, "_skipped_this_step", False) else 0.0, "max") > 0
+            self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
+            if dist.is_main:
+                if nonfinite:
+                    log.warning("step %d: non-finite loss or gradient; optimizer step skipped (%d in a row)",
+                                self.step, self.nonfinite_in_a_row)
+                self.metrics.write(self.step, m)
+                if self.step % cfg.logging.every == 0 or self.step == total:
+                    log.info(format_step_line(self.step, total, m))
+            if self.nonfinite_in_a_row >= cfg.trainer.max_nonfinite_steps:
+                raise TrainingError(f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
+                                    f"(last at step {self.step}); lower trainer.lr, check the reward scale, or "
+                                    "use float32/bfloat16 instead of float16")
+            every = cfg.checkpoint.every
+            if (every and self.step % every == 0) or (every and self.step == total):
+                self.save_checkpoint()
+        if dist.is_main:
+            write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
+            self.metrics.close()
+
+    def save_checkpoint(self) -> None:
+        t0 = time.time()
+        hf_sd = gather_state_dict(self.actor) if self.cfg.checkpoint.save_hf else None
+        state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(),
+                 "reward_shaper": self.shaper.state_dict() if self.dist.is_main else None,
+                 "seed": self.cfg.seed}
+        path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
+                               self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank)
+        if self.dist.is_main:
+            log.info("checkpoint %s written in %.1fs", path, time.time() - t0)
