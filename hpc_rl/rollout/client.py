@@ -1,0 +1,373 @@
+"""RolloutClient: trainer rank 0's view of the rollout servers (discovery, generation, weight push)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import requests
+
+from ..errors import RolloutError
+from ..rundir import RunDir, read_json
+from . import protocol
+from .engine import SampleOut, SamplingParams
+
+log = logging.getLogger("hpc_rl")
+
+HEALTH_TIMEOUT_S = 5.0
+_SEED_MOD = 2**63 - 1
+
+
+@dataclass
+class GenerateResult:
+    outputs: list[list[SampleOut]]
+    policy_versions: list[int]
+    tokens_per_s: float
+    seconds: float
+
+
+@dataclass
+class Server:
+    index: int
+    url: str
+    session: requests.Session = field(repr=False)
+    healthy: bool = True
+    last_error: str = ""
+
+
+def chunk_seed(seed: int | None, start: int) -> int | None:
+    """The seed of the chunk starting at prompt `start`: independent of which server serves it."""
+    if seed is None:
+        return None
+    return (int(seed) * 1_000_003 + start * 7919 + 1) % _SEED_MOD
+
+
+def split_contiguous(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of near-equal contiguous chunks (no empty chunk)."""
+    n_chunks = max(1, min(n_chunks, n_items))
+    base, extra = divmod(n_items, n_chunks)
+    out, start = [], 0
+    for i in range(n_chunks):
+        end = start + base + (1 if i < extra else 0)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _log_tail(path: Path, lines: int = 5) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])
+
+
+def _err_of(resp: requests.Response) -> str:
+    try:
+        return str(resp.json().get("error", resp.text[:200]))
+    except ValueError:
+        return resp.text[:200].strip() or f"HTTP {resp.status_code}"
+
+
+class _HTTPFailure(Exception):
+    """A request that may succeed elsewhere (connection error, timeout, 5xx)."""
+
+
+class RolloutClient:
+    """Talks to every rollout server of a run; see the module doc of hpc_rl.rollout for the API."""
+
+    def __init__(self, run: RunDir, token: str, timeout_s: float = 300.0, retries: int = 2,
+                 weight_sync: str = "auto"):
+        self.run = run
+        self.token = token
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.weight_sync = weight_sync
+        self.servers: dict[int, Server] = {}
+        self.pushed_version: int | None = None
+        self.expected = 0
+        self.refresh()
+
+    @classmethod
+    def from_run_dir(cls, run: RunDir, cfg) -> "RolloutClient":
+        """A client for the run's servers, with timeouts/retries/weight transport from cfg.rollout."""
+        r = cfg.rollout
+        return cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries, weight_sync=r.weight_sync)
+
+    # ------------------------------------------------------------------ discovery
+
+    def _session(self) -> requests.Session:
+        s = requests.Session()
+        s.headers["Authorization"] = f"Bearer {self.token}"
+        s.trust_env = False  # never route cluster-internal traffic through a user's HTTP proxy
+        return s
+
+    def refresh(self) -> None:
+        """(Re)read RUN/rendezvous/rollout-K.json; a server that restarted on a new port gets a new entry."""
+        d = self.run.rendezvous
+        for f in sorted(d.glob("rollout-*.json")) if d.is_dir() else []:
+            info = read_json(f)
+            if not info or "url" not in info:
+                continue
+            idx = int(info.get("index", f.stem.split("-")[-1]))
+            old = self.servers.get(idx)
+            if old is None or old.url != info["url"]:
+                if old is not None:
+                    old.session.close()
+                self.servers[idx] = Server(idx, info["url"], self._session())
+
+    def _health(self, srv: Server) -> dict | None:
+        try:
+            r = srv.session.get(srv.url + "/health", timeout=HEALTH_TIMEOUT_S)
+        except requests.RequestException as e:
+            srv.last_error = f"{type(e).__name__}: {str(e)[:160]}"
+            return None
+        if r.status_code != 200:
+            srv.last_error = f"HTTP {r.status_code}: {_err_of(r)}"
+            return None
+        return r.json()
+
+    def wait_ready(self, expected: int, timeout_s: float) -> None:
+        """Wait for `expected` rendezvous files and a healthy /health on each; RolloutError names the missing."""
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.expected = expected
+        deadline = time.monotonic() + timeout_s
+        ready: set[int] = set()
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as prog:
+            task = prog.add_task(f"waiting for rollout servers: 0/{expected} ready", total=expected)
+            while True:
+                self.refresh()
+                for idx in range(expected):
+                    srv = self.servers.get(idx)
+                    if idx not in ready and srv is not None and self._health(srv) is not None:
+                        ready.add(idx)
+                        srv.healthy = True
+                prog.update(task, completed=len(ready),
+                            description=f"waiting for rollout servers: {len(ready)}/{expected} ready")
+                if len(ready) >= expected:
+                    log.info("rollout servers ready: %s", ", ".join(self.servers[i].url for i in sorted(ready)))
+                    return
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        missing = []
+        for idx in range(expected):
+            if idx in ready:
+                continue
+            srv = self.servers.get(idx)
+            where = (f"at {srv.url} not healthy ({srv.last_error})" if srv
+                     else f"wrote no {self.run.rollout_file(idx).name}")
+            tail = _log_tail(self.run.logs / f"rollout-{idx}.log")
+            missing.append(f"server {idx} {where}" + (f"; log tail: {tail}" if tail else ""))
+        raise RolloutError(f"rollout servers not ready after {timeout_s:.0f}s: {'; '.join(missing)}. Usual causes: "
+                           "the server crashed (see RUN/logs/rollout-K.log), it is bound to 127.0.0.1 "
+                           "(set rollout.host: 0.0.0.0), a firewall blocks the port, or startup needs more "
+                           "time (raise rollout.startup_timeout_s)")
+
+    def _healthy(self) -> list[Server]:
+        live = [s for s in self.servers.values() if s.healthy]
+        if live:
+            return sorted(live, key=lambda s: s.index)
+        # Every server failed at some point: re-probe; one serving stale weights stays out.
+        self.refresh()
+        for s in self.servers.values():
+            h = self._health(s)
+            if h is not None and (self.pushed_version is None or h.get("policy_version") == self.pushed_version):
+                s.healthy = True
+        return sorted((s for s in self.servers.values() if s.healthy), key=lambda s: s.index)
+
+    def _mark_dead(self, srv: Server, cause: str) -> None:
+        if srv.healthy:
+            log.warning("rollout server %d at %s failed (%s); routing its work to the other servers",
+                        srv.index, srv.url, cause)
+        srv.healthy = False
+        srv.last_error = cause
+
+    # ------------------------------------------------------------------ requests
+
+    def _post_json(self, srv: Server, path: str, body: dict, timeout: float) -> dict:
+        try:
+            r = srv.session.post(srv.url + path, json=body, timeout=timeout)
+        except requests.RequestException as e:
+            raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
+        if r.status_code >= 500:
+            raise _HTTPFailure(f"HTTP {r.status_code}: {_err_of(r)}")
+        if r.status_code != 200:
+            raise RolloutError(f"rollout server {srv.url} rejected {path} (HTTP {r.status_code}): {_err_of(r)}")
+        return r.json()
+
+    def _run_chunks(self, path: str, bodies: list[dict], what: str) -> list[dict]:
+        """POST one body per chunk, concurrently; a failed chunk moves to another healthy server."""
+        servers = self._healthy()
+        if not servers:
+            raise RolloutError(f"{what}: no healthy rollout server ("
+                               + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values())
+                               + "); check RUN/logs/rollout-K.log")
+
+        def one(i: int) -> dict:
+            tried: list[str] = []
+            start = servers[i % len(servers)].index
+            for attempt in range(self.retries + 1):
+                live = self._healthy()
+                if not live:
+                    break
+                # Prefer the chunk's own server, then the next healthy one in index order.
+                live.sort(key=lambda s: (s.index - start) % (max(self.servers) + 1))
+                srv = live[0]
+                try:
+                    return self._post_json(srv, path, bodies[i], self.timeout_s)
+                except _HTTPFailure as e:
+                    tried.append(f"{srv.url} ({e})")
+                    self._mark_dead(srv, str(e))
+            raise RolloutError(f"{what}: chunk {i} failed after {len(tried)} attempt(s): {'; '.join(tried) or 'no healthy server'}; "
+                               "check RUN/logs/rollout-K.log of those servers, or raise rollout.retries / "
+                               "rollout.request_timeout_s")
+
+        if len(bodies) == 1:
+            return [one(0)]
+        with ThreadPoolExecutor(max_workers=len(bodies)) as pool:
+            return list(pool.map(one, range(len(bodies))))
+
+    def _n_chunks(self) -> int:
+        # Chunk count follows the configured servers, not the live ones: a retried chunk keeps its seed
+        # and its boundaries, so a dead server does not change the samples.
+        return max(self.expected, len(self.servers), 1)
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, step: int) -> GenerateResult:
+        """Samples for every prompt, split across the servers; RolloutError names the server, step and cause."""
+        t0 = time.perf_counter()
+        if not prompt_token_ids:
+            return GenerateResult([], [], 0.0, 0.0)
+        ranges = split_contiguous(len(prompt_token_ids), self._n_chunks())
+        bodies = []
+        for a, b in ranges:
+            p = SamplingParams(n=params.n, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
+                               top_p=params.top_p, top_k=params.top_k, stop_token_ids=list(params.stop_token_ids),
+                               seed=chunk_seed(params.seed, a))
+            bodies.append(protocol.params_to_json(prompt_token_ids[a:b], p))
+        results = self._run_chunks("/generate", bodies, f"generate at step {step}")
+        outputs: list[list[SampleOut]] = []
+        versions: list[int] = []
+        for (a, b), res in zip(ranges, results):
+            outs = protocol.outputs_from_json(res["outputs"])
+            if len(outs) != b - a:
+                raise RolloutError(f"generate at step {step}: a server returned {len(outs)} outputs for "
+                                   f"{b - a} prompts; server and client versions differ")
+            outputs.extend(outs)
+            versions.extend([int(res["policy_version"])] * (b - a))
+        dt = time.perf_counter() - t0
+        ntok = sum(len(s.token_ids) for row in outputs for s in row)
+        return GenerateResult(outputs, versions, ntok / dt if dt > 0 else 0.0, dt)
+
+    def logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy."""
+        if not token_ids:
+            return []
+        ranges = split_contiguous(len(token_ids), self._n_chunks())
+        bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b])} for a, b in ranges]
+        results = self._run_chunks("/logprobs", bodies, "logprobs")
+        return [row for res in results for row in res["logprobs"]]
+
+    # ------------------------------------------------------------------ weights
+
+    def push_weights(self, named_tensors: Iterable, version: int) -> dict:
+        """Send the actor's HF state dict to every healthy server; returns {"seconds", "bytes", "transport"}."""
+        transport = self.weight_sync
+        if transport == "auto":
+            transport = "http"
+        if transport == "collective":
+            raise RolloutError("rollout.weight_sync: 'collective' is not available with this rollout engine yet; "
+                               "set rollout.weight_sync to http or file")
+        servers = self._healthy()
+        if not servers:
+            raise RolloutError(f"push_weights v{version}: no healthy rollout server; check RUN/logs/rollout-K.log")
+        t0 = time.perf_counter()
+        if transport == "http":
+            nbytes = self._push_http(named_tensors, version, servers)
+        else:
+            nbytes = self._push_file(named_tensors, version, servers)
+        self.pushed_version = version
+        dt = time.perf_counter() - t0
+        log.debug("push_weights v%d: %d bytes over %s in %.2fs", version, nbytes, transport, dt)
+        return {"seconds": dt, "bytes": nbytes, "transport": transport}
+
+    def _post_all(self, servers: list[Server], send) -> None:
+        """Run send(server) on every server concurrently; a failing server is taken out of rotation."""
+        def guarded(srv: Server):
+            try:
+                send(srv)
+                return None
+            except _HTTPFailure as e:
+                return srv, str(e)
+
+        with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+            failures = [f for f in pool.map(guarded, servers) if f]
+        for srv, cause in failures:
+            self._mark_dead(srv, cause)
+            servers.remove(srv)
+        if not servers:
+            raise RolloutError("push_weights: every rollout server failed: "
+                               + "; ".join(f"{s.url} ({c})" for s, c in failures))
+
+    def _push_http(self, named_tensors: Iterable, version: int, servers: list[Server]) -> int:
+        from .weights import bucket_bytes_of, buckets
+
+        total = 0
+        it = iter(buckets(named_tensors))
+        cur = next(it, None)
+        i = 0
+        while cur is not None:
+            nxt = next(it, None)  # look ahead: the last bucket carries final=1
+            data = bucket_bytes_of(cur)
+            total += len(data)
+            final = int(nxt is None)
+
+            def send(srv: Server, data=data, i=i, final=final):
+                try:
+                    # A file-like body streams with a Content-Length instead of one huge sendall.
+                    r = srv.session.post(f"{srv.url}/weights?version={version}&bucket={i}&final={final}",
+                                         data=io.BytesIO(data), timeout=self.timeout_s,
+                                         headers={"Content-Type": "application/octet-stream",
+                                                  "Content-Length": str(len(data))})
+                except requests.RequestException as e:
+                    raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
+                if r.status_code >= 500:
+                    raise _HTTPFailure(f"HTTP {r.status_code}: {_err_of(r)}")
+                if r.status_code != 200:
+                    raise RolloutError(f"push_weights v{version}: {srv.url} rejected bucket {i} "
+                                       f"(HTTP {r.status_code}): {_err_of(r)}")
+
+            self._post_all(servers, send)
+            cur, i = nxt, i + 1
+        return total
+
+    def _push_file(self, named_tensors: Iterable, version: int, servers: list[Server]) -> int:
+        from .weights import prune_versions, write_version
+
+        folder, nbytes = write_version(self.run.weights, version, named_tensors)
+
+        def send(srv: Server):
+            self._post_json(srv, "/weights/load_file", {"path": str(folder), "version": version}, self.timeout_s)
+
+        self._post_all(servers, send)
+        prune_versions(self.run.weights, keep=version)
+        return nbytes
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            s.session.close()
+
+
+def expected_servers(cfg) -> int:
+    """How many rollout servers a job starts: rollout.nodes x rollout.servers_per_node (at least one)."""
+    return max(1, cfg.rollout.nodes * cfg.rollout.servers_per_node)
+
+
+__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous",
+           "expected_servers"]

@@ -1,0 +1,187 @@
+"""The HF fallback engine: a transformers causal LM with a small batched sampling loop.
+
+Own loop rather than `model.generate`: a model folder's generation_config (e.g. Qwen's
+repetition_penalty, a default top_k=50) would silently change the sampling distribution, and
+`generate` cannot take a torch.Generator; here every sampled token comes from exactly
+temperature/top-k/top-p and a per-request generator, and its raw log-prob is logged alongside.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..errors import ModelError
+from ..models import load_causal_lm
+from .engine import Engine, SampleOut, SamplingParams
+
+log = logging.getLogger("hpc_rl")
+
+THREADS_ENV = "HPC_RL_ROLLOUT_THREADS"
+
+
+def _threads(device: str) -> int | None:
+    """CPU threads for the engine: $HPC_RL_ROLLOUT_THREADS, else 1 on CPU (the trainer shares the cores)."""
+    raw = os.environ.get(THREADS_ENV)
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ModelError(f"{THREADS_ENV}={raw!r} is not a positive integer; set it to the CPU threads "
+                             "the rollout engine may use, e.g. 2")
+        return n
+    return 1 if device == "cpu" else None
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask (to -inf) what top-k (k <= 0 off) and top-p (1.0 off) exclude; rows of (B, V) float logits."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (the first token always stays).
+        before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, idx, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+class HFEngine(Engine):
+    """transformers AutoModelForCausalLM in eval mode; left-padded batches with a KV cache."""
+
+    name = "hf"
+
+    def __init__(self, cfg, device: str = "cpu"):
+        if not cfg.model.path:
+            raise ModelError("model.path: the rollout server needs an HF model folder; set model.path "
+                             "(hpc-rl run/submit fill it in for model.tiny)")
+        self.device = torch.device(device)
+        n = _threads(self.device.type)
+        if n is not None:
+            torch.set_num_threads(n)
+        dtype = cfg.rollout.dtype
+        if dtype == "auto":
+            dtype = "float32" if self.device.type == "cpu" else "bfloat16"
+        attn = cfg.model.attn_implementation
+        if attn == "flash_attention_2" and self.device.type == "cpu":
+            attn = "sdpa"  # flash-attn has no CPU kernels
+        self.model = load_causal_lm(cfg.model.path, dtype=dtype, attn_implementation=attn,
+                                    trust_remote_code=cfg.model.trust_remote_code)
+        self.model.to(self.device).eval()
+        self.model.requires_grad_(False)
+        gc = self.model.generation_config
+        eos = gc.eos_token_id if gc.eos_token_id is not None else self.model.config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        pad = gc.pad_token_id if gc.pad_token_id is not None else self.model.config.pad_token_id
+        self.pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
+        self._params = dict(self.model.state_dict())
+        log.info("hf engine: %s on %s, dtype %s, attention %s, threads %s", cfg.model.path, self.device,
+                 dtype, attn, torch.get_num_threads())
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        n = params.n
+        rows = [p for p in prompt_token_ids for _ in range(n)]
+        if not rows:
+            return []
+        gen = torch.Generator(device=self.device)
+        if params.seed is not None:
+            gen.manual_seed(int(params.seed))
+        else:
+            gen.seed()
+        stop_ids = torch.tensor(sorted(self.eos_ids | set(params.stop_token_ids)), dtype=torch.long,
+                                device=self.device)
+        b = len(rows)
+        width = max(len(r) for r in rows)
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, width - len(r):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1, :]
+        last_pos = pos[:, -1]
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        toks, lps = [], []
+        for step in range(params.max_new_tokens):
+            logits = logits.float()
+            raw = torch.log_softmax(logits, dim=-1)
+            if params.temperature <= 0:
+                tok = logits.argmax(dim=-1)
+            else:
+                probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
+                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+            toks.append(tok)
+            lps.append(raw.gather(-1, tok[:, None]).squeeze(-1))
+            done = done | torch.isin(tok, stop_ids)
+            if bool(done.all()) or step == params.max_new_tokens - 1:
+                break
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+                             past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits = out.logits[:, -1, :]
+        tok_m = torch.stack(toks, dim=1).cpu().tolist()
+        lp_m = torch.stack(lps, dim=1).cpu().tolist()
+        stop_set = set(stop_ids.cpu().tolist())
+        results: list[list[SampleOut]] = []
+        for i in range(b):
+            t_row, l_row, reason = [], [], "length"
+            for t, lp in zip(tok_m[i], lp_m[i]):
+                t_row.append(t)
+                l_row.append(lp)
+                if t in stop_set:
+                    reason = "stop"
+                    break
+            if i % n == 0:
+                results.append([])
+            results[-1].append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason))
+        return results
+
+    @torch.inference_mode()
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        if not token_ids:
+            return []
+        b = len(token_ids)
+        width = max(len(t) for t in token_ids)
+        # Right padding: real tokens keep positions 0..len-1, exactly as in an unpadded forward.
+        ids = torch.full((b, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((b, width), dtype=torch.long)
+        for i, t in enumerate(token_ids):
+            ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
+            mask[i, :len(t)] = 1
+        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+        logp = torch.log_softmax(logits[:, :-1, :], dim=-1).gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1)
+        logp = logp.cpu()
+        # Position j predicts token j+1, so tokens[pl:] are scored by positions pl-1 .. len-2 (pl >= 1).
+        return [logp[i, pl - 1:len(t) - 1].tolist() for i, (t, pl) in enumerate(zip(token_ids, prompt_lens))]
+
+    # ------------------------------------------------------------------ weights
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {k: (tuple(v.shape), v.dtype) for k, v in self._params.items()}
+
+    @torch.inference_mode()
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        for name, t in named_tensors:
+            dst = self._params[name]
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+
+    def close(self) -> None:
+        self.model = None
+        self._params = {}

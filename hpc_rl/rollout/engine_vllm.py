@@ -1,0 +1,212 @@
+"""The vLLM rollout engine: continuous batching, raw log-probs, in-place weight updates.
+
+AsyncLLM rather than the offline LLM: the server calls generate/prompt_logprobs from several request
+threads at once, and AsyncLLM batches all of their requests together in the running engine (the
+offline LLM is not thread-safe and batches one call at a time). Its event loop runs on a private
+thread; the synchronous Engine methods submit coroutines to it.
+
+Weights reach the engine-core process through `collective_rpc` (vLLM's msgpack IPC carries CPU tensors
+as out-of-band buffers) and are loaded by `HpcRlWorkerExtension` with vLLM's layerwise reload, which
+also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
+a spawned server process (vLLM spawns its engine core). CPU threads: vLLM binds its worker to the cores
+of VLLM_CPU_OMP_THREADS_BIND (default "auto": all cores of a NUMA node but one reserved); set it (e.g.
+"0") to leave cores to trainer ranks on the same machine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+
+import torch
+
+from ..errors import ModelError
+from ..models.loading import check_model_dir
+from .engine import Engine, SampleOut, SamplingParams
+
+log = logging.getLogger("hpc_rl")
+
+WORKER_EXT = "hpc_rl.rollout.vllm_worker.HpcRlWorkerExtension"
+
+
+def _vllm_dtype(name: str) -> str:
+    # "auto" would keep a checkpoint's fp32 (tiny models); bf16 is what vLLM's CPU and GPU kernels expect.
+    return "bfloat16" if name in (None, "auto") else name
+
+
+class VLLMEngine(Engine):
+    """vllm.v1 AsyncLLM on a private event loop; tensor-parallel over cfg.rollout.tensor_parallel devices."""
+
+    name = "vllm"
+
+    def __init__(self, cfg, device: str = "cpu"):
+        r = cfg.rollout
+        self.device = device
+        self.path = str(check_model_dir(cfg.model.path))
+        self.dtype = _vllm_dtype(r.dtype)
+        self.seed = int(cfg.seed)
+        self.tensor_parallel = int(r.tensor_parallel)
+        # A spawned engine core must not inherit a CUDA context; vLLM's CPU build logs less with this set.
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        self._args = AsyncEngineArgs(
+            model=self.path, tokenizer=self.path, dtype=self.dtype, seed=self.seed,
+            tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=float(r.gpu_memory_utilization),
+            max_model_len=int(r.max_model_len), enforce_eager=bool(r.enforce_eager),
+            trust_remote_code=bool(cfg.model.trust_remote_code), logprobs_mode="raw_logprobs",
+            worker_extension_cls=WORKER_EXT, disable_log_stats=True, skip_tokenizer_init=False)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="hpc-rl-vllm-loop", daemon=True)
+        self._thread.start()
+        t0 = time.perf_counter()
+        try:
+            self._llm = self._run(self._start(), timeout=float(r.startup_timeout_s))
+        except Exception as e:
+            self._stop_loop()
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ModelError(f"rollout: vLLM could not start on {self.path} ({msg}); on CPU lower "
+                             "rollout.gpu_memory_utilization (a fraction of one NUMA node's RAM) or "
+                             "use rollout.engine=hf") from e
+        self.startup_seconds = time.perf_counter() - t0
+        self._specs: dict | None = None
+        self._lock = threading.Lock()  # weight updates are exclusive with each other
+        log.info("vllm engine up in %.1fs (%s, dtype %s, tp %d)", self.startup_seconds, self.path, self.dtype,
+                 self.tensor_parallel)
+
+    # ------------------------------------------------------------------ loop plumbing
+    async def _start(self):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(self._args)
+
+    def _run(self, coro, timeout: float | None = None):
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(timeout)
+        except TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"vLLM engine call did not finish within {timeout}s") from None
+
+    def _stop_loop(self) -> None:
+        if self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    async def _one(self, prompt: list[int], sp):
+        final = None
+        async for out in self._llm.generate({"prompt_token_ids": prompt}, sp, request_id=uuid.uuid4().hex):
+            final = out
+        return final
+
+    async def _many(self, prompts: list[list[int]], sps: list):
+        return await asyncio.gather(*(self._one(p, sp) for p, sp in zip(prompts, sps)))
+
+    # ------------------------------------------------------------------ Engine
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        sps = []
+        for i in range(len(prompt_token_ids)):
+            # vLLM seeds the n children of a request with seed + index: space prompts n apart.
+            seed = None if params.seed is None else int(params.seed) + i * params.n
+            sps.append(VSP(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature,
+                           top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
+                           stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
+                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False))
+        outs = self._run(self._many(prompt_token_ids, sps))
+        result = []
+        for ro in outs:
+            samples = []
+            for c in sorted(ro.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                # logprobs=0 returns the sampled token's raw log-prob (logprobs_mode=raw_logprobs) per step.
+                lps = [float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)]
+                samples.append(SampleOut(token_ids=toks, logprobs=lps, finish_reason=_finish(c.finish_reason)))
+            result.append(samples)
+        return result
+
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        from vllm import SamplingParams as VSP
+        from vllm.sampling_params import RequestOutputKind
+
+        # prompt_logprobs=0 returns, per position, exactly the actual token's log-prob (position 0 is None).
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+                 detokenize=False)
+        outs = self._run(self._many(token_ids, [sp] * len(token_ids)))
+        res = []
+        for toks, pl, ro in zip(token_ids, prompt_lens, outs):
+            plp = ro.prompt_logprobs
+            res.append([float(plp[j][toks[j]].logprob) for j in range(max(pl, 1), len(toks))])
+        return res
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """HF state-dict names and shapes (from the config, on the meta device) with the served dtype."""
+        if self._specs is None:
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            conf = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+            with torch.device("meta"):
+                m = AutoModelForCausalLM.from_config(conf)
+            dt = getattr(torch, self.dtype)
+            self._specs = {k: (tuple(v.shape), dt if v.is_floating_point() else v.dtype)
+                           for k, v in m.state_dict().items()}
+        return self._specs
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        dt = getattr(torch, self.dtype)
+        # Cast here: halves the bytes crossing the IPC for an fp32 trainer copy.
+        named = [(n, t.detach().to("cpu", dtype=dt if t.is_floating_point() else t.dtype).contiguous())
+                 for n, t in named_tensors]
+        self._update(lambda: self._llm.collective_rpc("hpc_reload_weights", args=(named,)))
+
+    def _update(self, rpc_coro_factory):
+        """Pause scheduling (in-flight requests finish on the old weights), run the update, reset the cache."""
+        async def go():
+            await self._llm.pause_generation(mode="wait", clear_cache=False)
+            try:
+                secs = await rpc_coro_factory()
+                await self._llm.reset_prefix_cache()
+                return secs
+            finally:
+                await self._llm.resume_generation()
+
+        with self._lock:
+            secs = self._run(go())
+        return max(secs) if isinstance(secs, list) and secs else secs
+
+    def reset_cache(self) -> None:
+        self._run(self._llm.reset_prefix_cache())
+
+    # ------------------------------------------------------------------ collective (see collective.py)
+    def collective_workers(self) -> int:
+        return self.tensor_parallel
+
+    def collective_join(self, master_addr, master_port, world_size, rank, backend, timeout_s) -> None:
+        self._run(self._llm.collective_rpc("hpc_collective_join",
+                                           args=(master_addr, master_port, world_size, rank, backend, timeout_s)))
+
+    def collective_receive(self, version: int, plan: list) -> float:
+        return self._update(lambda: self._llm.collective_rpc("hpc_collective_receive", args=(int(version), plan)))
+
+    def collective_close(self) -> None:
+        self._run(self._llm.collective_rpc("hpc_collective_close"))
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        self._llm = None
+        if llm is not None:
+            try:
+                llm.shutdown()
+            except Exception as e:  # shutting down a dead engine core raises; nothing is left to free
+                log.debug("vllm shutdown: %s", e)
+        self._stop_loop()
+
+
+def _finish(reason) -> str:
+    return {"stop": "stop", "length": "length"}.get(str(reason), str(reason))

@@ -1,0 +1,132 @@
+"""The rollout HTTP API's wire format: size limits, request parsing with one-line errors naming the
+field, and (de)serialization of samples. Shared by the server and the client."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .engine import SampleOut, SamplingParams
+
+# Config-independent limits: JSON requests (a few thousand prompts fit easily) and one weight bucket
+# (a single tensor never splits, so a bucket can be as large as a big model's embedding matrix).
+MAX_JSON_BYTES = 64 * 1024 * 1024
+MAX_WEIGHTS_BYTES = 16 * 1024 * 1024 * 1024
+
+
+class BadRequest(Exception):
+    """A malformed request; the message names the field. The server answers 400 with it."""
+
+
+def _int(v: Any, field: str, lo: int | None = None) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise BadRequest(f"{field}: expected an integer, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise BadRequest(f"{field}: must be >= {lo}, got {v}")
+    return v
+
+
+def _float(v: Any, field: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        raise BadRequest(f"{field}: expected a number, got {type(v).__name__}")
+    return float(v)
+
+
+def _token_lists(v: Any, field: str, vocab: int | None) -> list[list[int]]:
+    if not isinstance(v, list):
+        raise BadRequest(f"{field}: expected a list of token-id lists, got {type(v).__name__}")
+    out = []
+    for i, row in enumerate(v):
+        if not isinstance(row, list) or not row:
+            raise BadRequest(f"{field}[{i}]: expected a non-empty list of token ids")
+        for t in row:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab is not None and t >= vocab):
+                raise BadRequest(f"{field}[{i}]: token id {t!r} is not an integer in [0, {vocab})")
+        out.append(row)
+    return out
+
+
+def _obj(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    return body
+
+
+def parse_generate(body: Any, vocab: int | None, max_model_len: int) -> tuple[list[list[int]], SamplingParams]:
+    """Validate a /generate body; prompts whose length + max_new_tokens exceed max_model_len are named."""
+    body = _obj(body)
+    known = {"prompt_token_ids", "n", "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed"}
+    extra = sorted(set(body) - known)
+    if extra:
+        raise BadRequest(f"{extra[0]}: unknown field; valid fields are {', '.join(sorted(known))}")
+    if "prompt_token_ids" not in body:
+        raise BadRequest("prompt_token_ids: missing; send a list of token-id lists")
+    prompts = _token_lists(body["prompt_token_ids"], "prompt_token_ids", vocab)
+    d = SamplingParams()
+    p = SamplingParams(
+        n=_int(body.get("n", d.n), "n", 1),
+        max_new_tokens=_int(body.get("max_new_tokens", d.max_new_tokens), "max_new_tokens", 1),
+        temperature=_float(body.get("temperature", d.temperature), "temperature"),
+        top_p=_float(body.get("top_p", d.top_p), "top_p"),
+        top_k=_int(body.get("top_k", d.top_k), "top_k"),
+        seed=None if body.get("seed") is None else _int(body.get("seed"), "seed"),
+    )
+    if p.temperature < 0:
+        raise BadRequest(f"temperature: must be >= 0 (0 = greedy), got {p.temperature}")
+    if not 0 < p.top_p <= 1:
+        raise BadRequest(f"top_p: must be in (0, 1], got {p.top_p}")
+    if p.top_k == 0 or p.top_k < -1:
+        raise BadRequest(f"top_k: must be -1 (off) or >= 1, got {p.top_k}")
+    stops = body.get("stop_token_ids", [])
+    if not isinstance(stops, list) or any(not isinstance(t, int) or isinstance(t, bool) for t in stops):
+        raise BadRequest("stop_token_ids: expected a list of integer token ids")
+    p.stop_token_ids = list(stops)
+    for i, row in enumerate(prompts):
+        if len(row) + p.max_new_tokens > max_model_len:
+            raise BadRequest(f"prompt_token_ids[{i}]: {len(row)} prompt tokens + max_new_tokens "
+                             f"{p.max_new_tokens} exceed rollout.max_model_len {max_model_len}; "
+                             "shorten the prompt or lower max_new_tokens")
+    return prompts, p
+
+
+def parse_logprobs(body: Any, vocab: int | None, max_model_len: int) -> tuple[list[list[int]], list[int]]:
+    """Validate a /logprobs body: token_ids and prompt_lens with 1 <= prompt_len <= len(tokens)."""
+    body = _obj(body)
+    for f in ("token_ids", "prompt_lens"):
+        if f not in body:
+            raise BadRequest(f"{f}: missing")
+    toks = _token_lists(body["token_ids"], "token_ids", vocab)
+    lens = body["prompt_lens"]
+    if not isinstance(lens, list) or len(lens) != len(toks):
+        raise BadRequest("prompt_lens: expected a list of integers, one per token_ids row")
+    for i, (t, pl) in enumerate(zip(toks, lens)):
+        _int(pl, f"prompt_lens[{i}]", 1)
+        if pl > len(t):
+            raise BadRequest(f"prompt_lens[{i}]: {pl} exceeds the row's {len(t)} tokens")
+        if len(t) > max_model_len:
+            raise BadRequest(f"token_ids[{i}]: {len(t)} tokens exceed rollout.max_model_len {max_model_len}")
+    return toks, lens
+
+
+def parse_load_file(body: Any) -> tuple[str, int]:
+    body = _obj(body)
+    path = body.get("path")
+    if not isinstance(path, str) or not path:
+        raise BadRequest("path: expected the path of a .safetensors file or folder under RUN/weights")
+    return path, _int(body.get("version"), "version", 0)
+
+
+def params_to_json(prompts: list[list[int]], p: SamplingParams) -> dict:
+    """The /generate request body."""
+    return {"prompt_token_ids": prompts, "n": p.n, "max_new_tokens": p.max_new_tokens,
+            "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
+            "stop_token_ids": list(p.stop_token_ids), "seed": p.seed}
+
+
+def outputs_to_json(outputs: list[list[SampleOut]]) -> list[list[dict]]:
+    return [[{"token_ids": s.token_ids, "logprobs": s.logprobs, "finish_reason": s.finish_reason} for s in row]
+            for row in outputs]
+
+
+def outputs_from_json(data: list[list[dict]]) -> list[list[SampleOut]]:
+    return [[SampleOut(token_ids=s["token_ids"], logprobs=s["logprobs"], finish_reason=s["finish_reason"])
+             for s in row] for row in data]

@@ -1,0 +1,438 @@
+"""Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N]`.
+
+Serves one engine over HTTP (API in protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
+and exits on SIGTERM/SIGINT or when RUN/rendezvous/done.json appears.
+
+stdlib `ThreadingHTTPServer` rather than FastAPI/uvicorn: the token and the Content-Length limit are
+checked from the headers before a single body byte is read (401/413 with no work done), a weight
+bucket is read straight into one bytes object, each request has its own thread (so /health answers
+while a generate holds the engine lock), and startup costs no extra imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hmac
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from ..errors import HpcRlError
+from ..rundir import RunDir, read_json, write_json_atomic
+from . import protocol
+from .engine import Engine, make_engine
+from .protocol import BadRequest
+from .weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
+
+log = logging.getLogger("hpc_rl")
+
+ADVERTISE_ENV = "HPC_RL_ADVERTISE_HOST"
+DONE_POLL_S = 2.0
+
+
+# --------------------------------------------------------------------------- the service (no HTTP)
+
+
+class RolloutService:
+    """Engine + policy version + staged weight buckets + counters; every engine call holds one lock."""
+
+    def __init__(self, engine: Engine, run: RunDir, model_path: str, max_model_len: int, vocab: int | None):
+        self.engine = engine
+        self.run = run
+        self.model_path = model_path
+        self.max_model_len = max_model_len
+        self.vocab = vocab
+        self.policy_version = 0
+        # One lock for generation, scoring and weight loads: a request never sees half-updated weights.
+        self._engine_lock = threading.Lock()
+        self._stage_lock = threading.Lock()
+        self._staged_version: int | None = None
+        self._staged: dict[int, list] = {}
+        self._specs = engine.param_specs()
+        self._counters = {"requests": 0, "generate_requests": 0, "generated_tokens": 0, "weight_updates": 0,
+                          "last_batch_tokens_per_s": 0.0, "last_batch_seconds": 0.0, "errors": 0}
+        self._count_lock = threading.Lock()
+        self.started = time.time()
+
+    def count(self, key: str, inc: float = 1) -> None:
+        with self._count_lock:
+            self._counters[key] += inc
+
+    def health(self) -> dict:
+        return {"status": "ok", "engine": self.engine.name, "policy_version": self.policy_version,
+                "model": self.model_path}
+
+    def metrics(self) -> dict:
+        with self._count_lock:
+            out = dict(self._counters)
+        out.update(policy_version=self.policy_version, engine=self.engine.name,
+                   uptime_s=round(time.time() - self.started, 3))
+        return out
+
+    def generate(self, body) -> dict:
+        prompts, params = protocol.parse_generate(body, self.vocab, self.max_model_len)
+        with self._engine_lock:
+            t0 = time.perf_counter()
+            outputs = self.engine.generate(prompts, params)
+            dt = time.perf_counter() - t0
+            version = self.policy_version
+        ntok = sum(len(s.token_ids) for row in outputs for s in row)
+        with self._count_lock:
+            self._counters["generate_requests"] += 1
+            self._counters["generated_tokens"] += ntok
+            self._counters["last_batch_seconds"] = round(dt, 4)
+            self._counters["last_batch_tokens_per_s"] = round(ntok / dt, 2) if dt > 0 else 0.0
+        log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
+        return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
+
+    def logprobs(self, body) -> dict:
+        toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
+        with self._engine_lock:
+            lps = self.engine.prompt_logprobs(toks, lens)
+            version = self.policy_version
+        return {"policy_version": version, "logprobs": lps}
+
+    def _swap(self, named: list, version: int) -> None:
+        with self._engine_lock:
+            self.engine.load_weights(named)
+            self.engine.reset_cache()
+            self.policy_version = version
+        self.count("weight_updates")
+        log.info("weights: loaded %d tensors, policy_version %d", len(named), version)
+
+    def push_bucket(self, data: bytes, version: int, bucket: int, final: bool) -> dict:
+        """Stage one safetensors bucket; on `final`, load every staged bucket of this version at once."""
+        try:
+            named = tensors_from_bytes(data)
+            validate_named_tensors(self._specs, named)
+        except WeightError:
+            with self._stage_lock:  # a bad bucket poisons its version: nothing of it gets loaded
+                if self._staged_version == version:
+                    self._staged, self._staged_version = {}, None
+            raise
+        with self._stage_lock:
+            if self._staged_version != version:
+                self._staged, self._staged_version = {}, version
+            self._staged[bucket] = named
+            if not final:
+                return {"staged": bucket, "version": version}
+            missing = [i for i in range(bucket + 1) if i not in self._staged]
+            staged = [t for i in sorted(self._staged) for t in self._staged[i]]
+            self._staged, self._staged_version = {}, None
+        if missing:
+            raise WeightError(f"weights: version {version} final bucket {bucket} arrived but bucket(s) {missing} "
+                              "did not; resend every bucket of the version")
+        self._swap(staged, version)
+        return {"policy_version": version, "tensors": len(staged)}
+
+    def load_file(self, body) -> dict:
+        path_s, version = protocol.parse_load_file(body)
+        root = self.run.weights.resolve()
+        path = Path(path_s).resolve()
+        if path != root and root not in path.parents:
+            raise BadRequest(f"path: {path_s} is outside {root}; the file transport only loads from RUN/weights")
+        named = load_path(path)
+        validate_named_tensors(self._specs, named)
+        self._swap(named, version)
+        return {"policy_version": version, "tensors": len(named)}
+
+
+# --------------------------------------------------------------------------- HTTP
+
+
+def _one_line(e: BaseException) -> str:
+    s = str(e).strip().splitlines()
+    return s[0] if s else type(e).__name__
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive for the client's Session
+    server_version = "hpc-rl-rollout"
+    service: RolloutService
+    token: str
+
+    def log_message(self, fmt, *args):  # access log only with HPC_RL_DEBUG
+        log.debug("http %s: " + fmt, self.client_address[0], *args)
+
+    def _send(self, code: int, obj: dict, close: bool = False) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        if close:
+            # The request body was not read; the connection cannot carry another request.
+            self.send_header("Connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        got = self.headers.get("Authorization", "")
+        want = "Bearer " + self.token
+        return hmac.compare_digest(got.encode(), want.encode())
+
+    def _read_body(self, limit: int) -> bytes | None:
+        """The body, or None after answering 411/413 (nothing read)."""
+        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            self._send(411, {"error": "Content-Length: chunked bodies are not accepted; send Content-Length"},
+                       close=True)
+            return None
+        try:
+            n = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            self._send(400, {"error": "Content-Length: not an integer"}, close=True)
+            return None
+        if n > limit:
+            self._send(413, {"error": f"body: {n} bytes exceed the limit of {limit} bytes for {self.path}"},
+                       close=True)
+            return None
+        return self.rfile.read(n) if n > 0 else b""
+
+    def _json_body(self):
+        raw = self._read_body(protocol.MAX_JSON_BYTES)
+        if raw is None:
+            return None, False
+        try:
+            return json.loads(raw), True
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise BadRequest(f"body: not valid JSON ({_one_line(e)})") from None
+
+    def _handle(self, method: str) -> None:
+        svc = self.service
+        svc.count("requests")
+        if not self._authorized():
+            self._send(401, {"error": "Authorization: missing or wrong bearer token; send the run's token "
+                                      "(RUN/token) as 'Authorization: Bearer <token>'"}, close=True)
+            return
+        url = urlsplit(self.path)
+        route = (method, url.path.rstrip("/") or "/")
+        try:
+            if route == ("GET", "/health"):
+                self._send(200, svc.health())
+            elif route == ("GET", "/version"):
+                self._send(200, {"policy_version": svc.policy_version})
+            elif route == ("GET", "/metrics"):
+                self._send(200, svc.metrics())
+            elif route == ("POST", "/generate"):
+                body, ok = self._json_body()
+                if ok:
+                    self._send(200, svc.generate(body))
+            elif route == ("POST", "/logprobs"):
+                body, ok = self._json_body()
+                if ok:
+                    self._send(200, svc.logprobs(body))
+            elif route == ("POST", "/weights/load_file"):
+                body, ok = self._json_body()
+                if ok:
+                    self._send(200, svc.load_file(body))
+            elif route == ("POST", "/weights"):
+                q = parse_qs(url.query)
+                version, bucket, final = _weights_query(q)
+                data = self._read_body(protocol.MAX_WEIGHTS_BYTES)
+                if data is not None:
+                    self._send(200, svc.push_bucket(data, version, bucket, final))
+            else:
+                self._send(404, {"error": f"{method} {url.path}: no such endpoint"})
+        except (BadRequest, HpcRlError) as e:
+            svc.count("errors")
+            log.warning("%s %s: 400 %s", method, url.path, _one_line(e))
+            self._send(400, {"error": _one_line(e)})
+        except Exception as e:  # a bug: keep serving, say what broke
+            svc.count("errors")
+            log.exception("%s %s failed", method, url.path)
+            self._send(500, {"error": f"{type(e).__name__}: {_one_line(e)}"})
+
+    def do_GET(self):
+        self._handle("GET")
+
+    def do_POST(self):
+        self._handle("POST")
+
+
+def _weights_query(q: dict) -> tuple[int, int, bool]:
+    def get(name: str, default=None):
+        v = q.get(name, [default])[0]
+        if v is None:
+            raise BadRequest(f"{name}: missing query parameter; POST /weights?version=V&bucket=I&final=0|1")
+        return v
+
+    try:
+        version = int(get("version"))
+    except ValueError:
+        raise BadRequest("version: expected an integer query parameter") from None
+    try:
+        bucket = int(get("bucket", "0"))
+    except ValueError:
+        raise BadRequest("bucket: expected an integer query parameter") from None
+    final_s = get("final", "0").lower()
+    if final_s not in ("0", "1", "true", "false"):
+        raise BadRequest("final: expected 0/1 or true/false")
+    if bucket < 0 or version < 0:
+        raise BadRequest("bucket/version: must be >= 0")
+    return version, bucket, final_s in ("1", "true")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def make_http_server(service: RolloutService, token: str, host: str, port: int) -> ThreadingHTTPServer:
+    """Bind host:port (0 = any free port); raise HpcRlError naming the address when that fails."""
+    handler = type("BoundHandler", (Handler,), {"service": service, "token": token})
+    cls = _Server
+    if ":" in host:
+        cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
+    try:
+        return cls((host, port), handler)
+    except OSError as e:
+        raise HpcRlError(f"rollout.host/rollout.port: cannot bind {host}:{port} ({e.strerror}); choose a free "
+                         "port (0 picks one) and an address of this node (0.0.0.0 = all interfaces)") from None
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def _iface_ipv4(name: str) -> str | None:
+    """IPv4 address of interface `name` (SIOCGIFADDR), without sending any packet."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
+        return socket.inet_ntoa(res[20:24])
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def _default_route_iface() -> str | None:
+    try:
+        with open("/proc/net/route") as f:
+            next(f)
+            for line in f:
+                parts = line.split()
+                if len(parts) > 2 and parts[1] == "00000000":
+                    return parts[0]
+    except (OSError, StopIteration):
+        pass
+    return None
+
+
+def advertise_host(bind_host: str) -> str:
+    """The address other nodes use to reach this server (see module doc and DESIGN.md)."""
+    env = os.environ.get(ADVERTISE_ENV)
+    if env:
+        return env
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host  # bound to one address: only that one works
+    try:
+        ip = socket.gethostbyname(socket.gethostname())
+        if not ip.startswith("127."):
+            return ip
+    except OSError:
+        pass
+    iface = _default_route_iface()
+    if iface and (ip := _iface_ipv4(iface)) and not ip.startswith("127."):
+        return ip
+    for _, name in socket.if_nameindex():
+        ip = _iface_ipv4(name)
+        if ip and not ip.startswith("127."):
+            return ip
+    return "127.0.0.1"
+
+
+def _model_vocab(path: str) -> int | None:
+    try:
+        c = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+    return int(v) if isinstance(v, int) else None
+
+
+# --------------------------------------------------------------------------- main
+
+
+def _setup_logging() -> None:
+    level = logging.DEBUG if os.environ.get("HPC_RL_DEBUG") == "1" else logging.INFO
+    logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
+
+
+def serve(run_dir: str, index: int, device: str | None = None) -> int:
+    """Run one rollout server until SIGTERM/SIGINT or RUN/rendezvous/done.json; returns the exit code."""
+    from ..config import load
+
+    run = RunDir(Path(run_dir).resolve())
+    cfg = load(run.job_yaml)
+    token = run.read_token()
+    if device is None:
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    engine = make_engine(cfg, device)
+    service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
+                             _model_vocab(str(cfg.model.path)))
+    httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
+    port = httpd.server_address[1]
+    if cfg.rollout.host.startswith("127.") or cfg.rollout.host in ("localhost", "::1"):
+        log.warning("!!! rollout server %d is bound to %s: only processes on this node can reach it; set "
+                    "rollout.host: 0.0.0.0 for multi-node jobs !!!", index, cfg.rollout.host)
+    stop = threading.Event()
+    reason = {"why": "signal"}
+
+    def on_signal(signum, _frame):
+        reason["why"] = signal.Signals(signum).name
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
+    thread.start()
+    host = advertise_host(cfg.rollout.host)
+    info = {"index": index, "host": host, "port": port, "url": f"http://{host}:{port}",
+            "hostname": socket.gethostname(), "pid": os.getpid(), "engine": engine.name, "started": time.time()}
+    run.rendezvous.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.rollout_file(index), info)
+    log.info("rollout server %d serving %s (engine %s, bound %s:%d)", index, info["url"], engine.name,
+             cfg.rollout.host, port)
+    while not stop.wait(DONE_POLL_S):
+        if run.done_file.exists():
+            reason["why"] = "done.json"
+            break
+    log.info("rollout server %d stopping (%s)", index, reason["why"])
+    httpd.shutdown()
+    httpd.server_close()
+    # Remove our rendezvous file so a later client does not wait on a server that is gone.
+    mine = read_json(run.rollout_file(index))
+    if mine and mine.get("pid") == os.getpid():
+        run.rollout_file(index).unlink(missing_ok=True)
+    engine.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hpc_rl.rollout.server", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, help="the run directory (job.yaml, token, rendezvous/)")
+    ap.add_argument("--index", type=int, required=True, help="this server's index K (rendezvous/rollout-K.json)")
+    ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    args = ap.parse_args(argv)
+    _setup_logging()
+    try:
+        return serve(args.run_dir, args.index, args.device)
+    except HpcRlError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

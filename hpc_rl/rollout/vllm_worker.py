@@ -1,0 +1,75 @@
+"""vLLM worker extension: in-place weight loading and the collective receive, run inside vLLM's workers.
+
+vLLM injects this class into its worker (`worker_extension_cls`); `AsyncLLM.collective_rpc("hpc_...")`
+calls these methods in every worker process (one per tensor-parallel rank), next to the model.
+Imports stay inside methods: the class is imported by qualified name in the engine-core process.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class HpcRlWorkerExtension:
+    """Methods added to vLLM's Worker; `self` is the worker (self.model_runner, self.vllm_config, self.rank)."""
+
+    def hpc_reload_weights(self, named_tensors) -> float:
+        """Load HF-named tensors into the model in place (layerwise reload re-runs kernel packing); seconds."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        t0 = time.perf_counter()
+        model = self.model_runner.get_model()
+        # msgpack turns tuples into lists: normalize to (name, tensor) pairs.
+        pairs = [(str(n), t) for n, t in named_tensors]
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            # Plain model.load_weights would leave the CPU GEMM's prepacked copies (oneDNN / sgl) stale:
+            # the layerwise reload re-runs process_weights_after_loading per layer.
+            initialize_layerwise_reload(model)
+            model.load_weights(pairs)
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        return time.perf_counter() - t0
+
+    def hpc_collective_join(self, master_addr: str, master_port: int, world_size: int, base_rank: int,
+                            backend: str, timeout_s: float) -> int:
+        """Join the trainer's weight-sync group as rank base_rank + this worker's TP rank; returns that rank."""
+        from .collective import join_group
+
+        rank = base_rank + int(self.rank)
+        device = "cpu" if backend == "gloo" else f"cuda:{self.device.index or 0}"
+        self._hpc_pg = join_group(master_addr, int(master_port), int(world_size), rank, backend, timeout_s,
+                                  device=device)
+        self._hpc_device = device
+        return rank
+
+    def hpc_collective_receive(self, version: int, plan: list) -> float:
+        """Receive the header and every bucket of `plan` from rank 0 and load them in place; seconds."""
+        import torch
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        from .collective import receive_buckets
+
+        pg = getattr(self, "_hpc_pg", None)
+        if pg is None:
+            raise RuntimeError("hpc_collective_receive before hpc_collective_join")
+        t0 = time.perf_counter()
+        model = self.model_runner.get_model()
+        with set_current_vllm_config(self.vllm_config), torch.inference_mode():
+            initialize_layerwise_reload(model)
+            # One bucket at a time: memory stays bounded by a bucket, loading overlaps nothing but is simple.
+            for named in receive_buckets(pg, plan, int(version), self._hpc_device):
+                model.load_weights(named)
+            finalize_layerwise_reload(model, self.vllm_config.model_config)
+        return time.perf_counter() - t0
+
+    def hpc_collective_close(self) -> None:
+        """Leave the weight-sync group."""
+        pg = getattr(self, "_hpc_pg", None)
+        self._hpc_pg = None
+        if pg is not None:
+            try:
+                pg.shutdown()
+            except Exception:  # a peer that already left makes shutdown raise; the group is gone either way
+                pass
