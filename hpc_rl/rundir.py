@@ -21,6 +21,9 @@ from .errors import ConfigError, HpcRlError
 class RunDir:
     root: Path
 
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
     @property
     def name(self) -> str:
         return self.root.name
