@@ -1,0 +1,57 @@
+"""Which node of a job does what: trainer nodes first, then rollout nodes (one submitit task per node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import JobConfig
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    index: int          # node index inside the job (submitit JobEnvironment().node)
+    role: str           # "trainer" or "rollout"
+    role_index: int     # index among nodes of the same role
+    procs: int          # trainer ranks or rollout servers started on this node
+
+
+def total_nodes(cfg: JobConfig) -> int:
+    """Nodes of the whole job: trainer.nodes + rollout.nodes."""
+    return cfg.trainer.nodes + cfg.rollout.nodes
+
+
+def role_of(cfg: JobConfig, node_index: int) -> str:
+    """'trainer' for node_index < trainer.nodes, else 'rollout'."""
+    if not 0 <= node_index < total_nodes(cfg):
+        raise ValueError(f"node index {node_index} outside a job of {total_nodes(cfg)} nodes")
+    return "trainer" if node_index < cfg.trainer.nodes else "rollout"
+
+
+def node_roles(cfg: JobConfig) -> list[NodeRole]:
+    """Every node of the job with its role, in node-index order."""
+    out = [NodeRole(i, "trainer", i, cfg.trainer.procs_per_node) for i in range(cfg.trainer.nodes)]
+    out += [NodeRole(cfg.trainer.nodes + k, "rollout", k, cfg.rollout.servers_per_node)
+            for k in range(cfg.rollout.nodes)]
+    return out
+
+
+def check_layout(cfg: JobConfig) -> None:
+    """Checks that only matter for Slurm submission; ConfigError naming the key."""
+    s = cfg.slurm
+    if s.layout == "hetjob" and cfg.rollout.nodes < 1:
+        raise ConfigError("slurm.layout: hetjob needs rollout.nodes >= 1 (the second component); "
+                          "set rollout.nodes or use slurm.layout=single")
+    if s.layout == "single" and (s.rollout_partition or s.rollout_gpus_per_node is not None):
+        raise ConfigError("slurm.rollout_partition/rollout_gpus_per_node only apply to slurm.layout=hetjob; "
+                          "set slurm.layout=hetjob or remove them")
+
+
+def describe(cfg: JobConfig) -> list[str]:
+    """One line per node for `submit --dry-run`."""
+    lines = []
+    for n in node_roles(cfg):
+        what = f"{n.procs} trainer rank(s)" if n.role == "trainer" else \
+            f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}"
+        lines.append(f"node {n.index}: {n.role} {n.role_index} ({what})")
+    return lines

@@ -1,0 +1,172 @@
+"""Rendering a job spec into Slurm terms: submitit parameters, the sbatch preamble (jinja2 templates),
+and, for `slurm.layout: hetjob` only, a whole heterogeneous sbatch script (submitit has no hetjob)."""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from ..config import JobConfig
+from ..errors import ConfigError
+from .nccl import nccl_env
+from .layout import total_nodes
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+# submitit names its files %j_submission.sh, %j_%t_log.out, %j_%t_result.pkl under this folder.
+SUBMITIT_DIR = "submitit"
+# One submitit task per node: launch.run_node starts that node's processes itself.
+SRUN_ARGS = ["--kill-on-bad-exit=1"]
+
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+def time_minutes(text: str) -> int:
+    """Slurm time string -> whole minutes (rounded up): MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS."""
+    m = _TIME.match(str(text).strip())
+    if not m:
+        raise ConfigError(f"slurm.time: {text!r} is not a Slurm time; use e.g. 01:30:00, 90 or 2-00:00:00")
+    days, a, b, c = m.groups()
+    a, b, c = int(a), int(b or 0), int(c or 0)
+    if days is not None:  # D-HH[:MM[:SS]]
+        secs = int(days) * 86400 + a * 3600 + b * 60 + c
+    elif m.group(4) is not None:  # HH:MM:SS
+        secs = a * 3600 + b * 60 + c
+    elif m.group(3) is not None:  # MM:SS
+        secs = a * 60 + b
+    else:  # MM
+        secs = a * 60
+    if secs <= 0:
+        raise ConfigError(f"slurm.time: {text!r} is zero; give the job a time limit such as 01:00:00")
+    return math.ceil(secs / 60)
+
+
+def _env():
+    import jinja2
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, trim_blocks=False)
+    env.filters["sh"] = lambda v: shlex.quote(str(v))
+    return env
+
+
+def python_executable() -> str:
+    """The interpreter the job's nodes run (submitit uses sys.executable too)."""
+    return sys.executable
+
+
+def preamble_lines(cfg: JobConfig, run_dir: str | Path) -> list[str]:
+    """The sbatch preamble (setup lines, env activation, exports) rendered from templates/setup.sh.j2."""
+    import os
+
+    py = Path(python_executable())
+    text = _env().get_template("setup.sh.j2").render(
+        name=cfg.name, run_dir=str(run_dir), setup=[str(s) for s in cfg.slurm.setup],
+        env_bin=str(py.parent), conda_prefix=os.environ.get("CONDA_PREFIX"),
+        virtual_env=str(py.parent.parent) if (py.parent.parent / "pyvenv.cfg").is_file() else None,
+        nccl=nccl_env(cfg), env_vars={str(k): str(v) for k, v in cfg.env.vars.items()})
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def executor_params(cfg: JobConfig, run_dir: str | Path) -> dict:
+    """submitit SlurmExecutor parameters for the single-job layout (one task per node)."""
+    s = cfg.slurm
+    params: dict = {
+        "job_name": cfg.name,
+        "nodes": total_nodes(cfg),
+        "ntasks_per_node": 1,
+        # submitit's own timeout bookkeeping needs minutes; the script shows the spec's text (below).
+        "time": time_minutes(s.time),
+        "signal_delay_s": s.signal_delay_s,
+        "setup": preamble_lines(cfg, run_dir),
+        "srun_args": list(SRUN_ARGS),
+    }
+    for key in ("partition", "account", "qos", "cpus_per_task", "constraint", "mail_user", "mail_type"):
+        value = getattr(s, key)
+        if value is not None:
+            params[key] = value
+    if s.gpus_per_node:
+        params["gpus_per_node"] = s.gpus_per_node
+    if s.exclusive:
+        params["exclusive"] = True
+    if s.array_parallelism is not None:
+        params["array_parallelism"] = s.array_parallelism
+    extra: dict = {"time": str(s.time).strip()}
+    # submitit's `mem` wants GB as a number; Slurm's own spelling (64G, 500M, 0 = whole node) passes as is.
+    if s.mem is not None:
+        extra["mem"] = str(s.mem)
+    if s.requeue:
+        extra["requeue"] = True
+    extra.update(_additional(cfg))
+    params["additional_parameters"] = extra
+    return params
+
+
+def _additional(cfg: JobConfig) -> dict:
+    out = {}
+    for k, v in cfg.slurm.additional.items():
+        key = str(k).lstrip("-")
+        if not key or v is None or v is False:
+            if not key:
+                raise ConfigError("slurm.additional: an empty option name; use e.g. {reservation: myres}")
+            continue
+        out[key] = v
+    return out
+
+
+def submitit_command(folder: str | Path) -> str:
+    """The command submitit runs on every node (its own runner unpickles the NodeTask)."""
+    return " ".join([shlex.quote(python_executable()), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def render_single(cfg: JobConfig, run_dir: str | Path) -> str:
+    """The sbatch script submitit submits for this spec (rendered by submitit itself)."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    folder = Path(run_dir) / SUBMITIT_DIR
+    return _make_sbatch_string(command=submitit_command(folder), folder=folder, **executor_params(cfg, run_dir))
+
+
+def _flags(d: dict) -> list[tuple[str, object]]:
+    out = []
+    for k, v in d.items():
+        if v is None or v is False:
+            continue
+        out.append((f"--{str(k).replace('_', '-')}", None if v is True else v))
+    return out
+
+
+def render_hetjob(cfg: JobConfig, run_dir: str | Path) -> str:
+    """A heterogeneous sbatch script: component 0 = trainer nodes, component 1 = rollout nodes."""
+    s = cfg.slurm
+    folder = Path(run_dir) / SUBMITIT_DIR
+    job_wide = {
+        "job-name": cfg.name, "account": s.account, "qos": s.qos,
+        # B: the batch shell gets the signal, its trap requeues the job.
+        "signal": f"B:USR2@{s.signal_delay_s}", "requeue": s.requeue,
+        "mail-user": s.mail_user, "mail-type": s.mail_type,
+        "output": str(folder / "%j_batch.out"), "error": str(folder / "%j_batch.err"), "open-mode": "append",
+    }
+
+    def resources(partition, nodes, gpus) -> dict:
+        return {"partition": partition, "nodes": nodes, "ntasks-per-node": 1, "time": str(s.time).strip(),
+                "cpus-per-task": s.cpus_per_task, "gpus-per-node": gpus or None, "mem": s.mem,
+                "constraint": s.constraint, "exclusive": s.exclusive}
+
+    rollout_gpus = s.rollout_gpus_per_node if s.rollout_gpus_per_node is not None else s.gpus_per_node
+    trainer = {**job_wide, **resources(s.partition, cfg.trainer.nodes, s.gpus_per_node), **_additional(cfg)}
+    rollout = resources(s.rollout_partition or s.partition, cfg.rollout.nodes, rollout_gpus)
+    components = [
+        {"role": "trainer", "node_offset": 0, "flags": _flags(trainer)},
+        {"role": "rollout", "node_offset": cfg.trainer.nodes, "flags": _flags(rollout)},
+    ]
+    return _env().get_template("hetjob.sbatch.j2").render(
+        components=components, preamble="\n".join(preamble_lines(cfg, run_dir)), folder=str(folder),
+        python=python_executable(), run_dir=str(run_dir), num_nodes=total_nodes(cfg))
+
+
+def render(cfg: JobConfig, run_dir: str | Path) -> str:
+    """The sbatch script for this spec and layout."""
+    return render_hetjob(cfg, run_dir) if cfg.slurm.layout == "hetjob" else render_single(cfg, run_dir)
