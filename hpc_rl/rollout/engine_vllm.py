@@ -5,9 +5,9 @@ threads at once, and AsyncLLM batches all of their requests together in the runn
 offline LLM is not thread-safe and batches one call at a time). Its event loop runs on a private
 thread; the synchronous Engine methods submit coroutines to it.
 
-Weights reach the engine-core process through `collective_rpc` (vLLM's msgpack IPC carries CPU tensors
-as out-of-band buffers) and are loaded by `HpcRlWorkerExtension` with vLLM's layerwise reload, which
-also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
+Weights reach vLLM's worker process (not this one) as a safetensors file in /dev/shm whose path goes
+through `collective_rpc`, or over the collective group (collective.py); `HpcRlWorkerExtension` loads them
+with vLLM's layerwise reload, which also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
 a spawned server process (vLLM spawns its engine core). CPU threads: vLLM binds its worker to the cores
 of VLLM_CPU_OMP_THREADS_BIND (default "auto": all cores of a NUMA node but one reserved); set it (e.g.
 "0") to leave cores to trainer ranks on the same machine.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -159,11 +160,22 @@ class VLLMEngine(Engine):
         return self._specs
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        from safetensors.torch import save_file
+
         dt = getattr(torch, self.dtype)
-        # Cast here: halves the bytes crossing the IPC for an fp32 trainer copy.
-        named = [(n, t.detach().to("cpu", dtype=dt if t.is_floating_point() else t.dtype).contiguous())
-                 for n, t in named_tensors]
-        self._update(lambda: self._llm.collective_rpc("hpc_reload_weights", args=(named,)))
+        # Cast here: half the bytes of an fp32 trainer copy. clone(): safetensors refuses shared storage.
+        named = {n: t.detach().to("cpu", dtype=dt if t.is_floating_point() else t.dtype).contiguous().clone()
+                 for n, t in named_tensors}
+        # The worker runs in another process on this machine: hand it a file in RAM (/dev/shm) to read.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        fd, path = tempfile.mkstemp(prefix="hpc-rl-weights-", suffix=".safetensors", dir=shm)
+        os.close(fd)
+        try:
+            save_file(named, path)
+            del named
+            self._update(lambda: self._llm.collective_rpc("hpc_reload_weights", args=(path,)))
+        finally:
+            os.unlink(path)
 
     def _update(self, rpc_coro_factory):
         """Pause scheduling (in-flight requests finish on the old weights), run the update, reset the cache."""

@@ -13,16 +13,20 @@ import time
 class HpcRlWorkerExtension:
     """Methods added to vLLM's Worker; `self` is the worker (self.model_runner, self.vllm_config, self.rank)."""
 
-    def hpc_reload_weights(self, named_tensors) -> float:
-        """Load HF-named tensors into the model in place (layerwise reload re-runs kernel packing); seconds."""
+    def hpc_reload_weights(self, path: str) -> float:
+        """Load the HF-named tensors of a safetensors file in place (layerwise reload re-runs kernel packing).
+
+        A file (in /dev/shm: RAM) because collective_rpc arguments reach the worker as plain msgpack/pickle
+        data: vLLM decodes tensors only in typed messages. Returns seconds.
+        """
         import torch
+        from safetensors.torch import load_file
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
         t0 = time.perf_counter()
         model = self.model_runner.get_model()
-        # msgpack turns tuples into lists: normalize to (name, tensor) pairs.
-        pairs = [(str(n), t) for n, t in named_tensors]
+        pairs = list(load_file(path, device="cpu").items())
         with set_current_vllm_config(self.vllm_config), torch.inference_mode():
             # Plain model.load_weights would leave the CPU GEMM's prepacked copies (oneDNN / sgl) stale:
             # the layerwise reload re-runs process_weights_after_loading per layer.
