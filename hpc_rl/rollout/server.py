@@ -25,6 +25,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
 from ..errors import HpcRlError
@@ -54,7 +55,7 @@ class RolloutService:
         self.vocab = vocab
         self.policy_version = 0
         # One lock for generation, scoring and weight loads: a request never sees half-updated weights.
-        self._engine_lock = threading.Lock()
+        self.engine_lock = threading.Lock()
         self._stage_lock = threading.Lock()
         self._staged_version: int | None = None
         self._staged: dict[int, list] = {}
@@ -63,6 +64,17 @@ class RolloutService:
                           "last_batch_tokens_per_s": 0.0, "last_batch_seconds": 0.0, "errors": 0}
         self._count_lock = threading.Lock()
         self.started = time.time()
+        # Extra JSON endpoints (e.g. collective weight sync): (method, path) -> fn(body or None) -> dict.
+        self.routes: dict[tuple[str, str], Callable[[Any], dict]] = {}
+
+    def add_route(self, method: str, path: str, fn: Callable[[Any], dict]) -> None:
+        """Serve `fn(json_body_or_None) -> dict` at method+path, behind the same token/limits/errors."""
+        self.routes[(method.upper(), path.rstrip("/"))] = fn
+
+    def set_policy_version(self, version: int) -> None:
+        """For weight transports that load outside this class; waits for running generations."""
+        with self.engine_lock:
+            self.policy_version = int(version)
 
     def count(self, key: str, inc: float = 1) -> None:
         with self._count_lock:
@@ -81,7 +93,7 @@ class RolloutService:
 
     def generate(self, body) -> dict:
         prompts, params = protocol.parse_generate(body, self.vocab, self.max_model_len)
-        with self._engine_lock:
+        with self.engine_lock:
             t0 = time.perf_counter()
             outputs = self.engine.generate(prompts, params)
             dt = time.perf_counter() - t0
@@ -97,13 +109,13 @@ class RolloutService:
 
     def logprobs(self, body) -> dict:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
-        with self._engine_lock:
+        with self.engine_lock:
             lps = self.engine.prompt_logprobs(toks, lens)
             version = self.policy_version
         return {"policy_version": version, "logprobs": lps}
 
     def _swap(self, named: list, version: int) -> None:
-        with self._engine_lock:
+        with self.engine_lock:
             self.engine.load_weights(named)
             self.engine.reset_cache()
             self.policy_version = version
@@ -196,7 +208,13 @@ class Handler(BaseHTTPRequestHandler):
             self._send(413, {"error": f"body: {n} bytes exceed the limit of {limit} bytes for {self.path}"},
                        close=True)
             return None
-        return self.rfile.read(n) if n > 0 else b""
+        data = self.rfile.read(n) if n > 0 else b""
+        self._body_read = True
+        return data
+
+    def _unread_body(self) -> bool:
+        """True when a body is still on the wire: answering must then close the connection."""
+        return not self._body_read and self.headers.get("Content-Length", "0") not in ("", "0")
 
     def _json_body(self):
         raw = self._read_body(protocol.MAX_JSON_BYTES)
@@ -210,6 +228,7 @@ class Handler(BaseHTTPRequestHandler):
     def _handle(self, method: str) -> None:
         svc = self.service
         svc.count("requests")
+        self._body_read = False
         if not self._authorized():
             self._send(401, {"error": "Authorization: missing or wrong bearer token; send the run's token "
                                       "(RUN/token) as 'Authorization: Bearer <token>'"}, close=True)
@@ -241,16 +260,20 @@ class Handler(BaseHTTPRequestHandler):
                 data = self._read_body(protocol.MAX_WEIGHTS_BYTES)
                 if data is not None:
                     self._send(200, svc.push_bucket(data, version, bucket, final))
+            elif route in svc.routes:
+                body, ok = self._json_body() if method == "POST" else (None, True)
+                if ok:
+                    self._send(200, svc.routes[route](body))
             else:
-                self._send(404, {"error": f"{method} {url.path}: no such endpoint"})
+                self._send(404, {"error": f"{method} {url.path}: no such endpoint"}, close=self._unread_body())
         except (BadRequest, HpcRlError) as e:
             svc.count("errors")
             log.warning("%s %s: 400 %s", method, url.path, _one_line(e))
-            self._send(400, {"error": _one_line(e)})
+            self._send(400, {"error": _one_line(e)}, close=self._unread_body())
         except Exception as e:  # a bug: keep serving, say what broke
             svc.count("errors")
             log.exception("%s %s failed", method, url.path)
-            self._send(500, {"error": f"{type(e).__name__}: {_one_line(e)}"})
+            self._send(500, {"error": f"{type(e).__name__}: {_one_line(e)}"}, close=self._unread_body())
 
     def do_GET(self):
         self._handle("GET")
@@ -363,6 +386,18 @@ def _model_vocab(path: str) -> int | None:
 # --------------------------------------------------------------------------- main
 
 
+def _register_plugins(service: RolloutService) -> None:
+    """Let the collective weight-sync module add its endpoints (`register_server_routes(service)`), if it has one."""
+    try:
+        from . import collective
+    except Exception as e:  # a broken optional module must not take the server down
+        log.warning("collective weight sync unavailable: %s", _one_line(e))
+        return
+    fn = getattr(collective, "register_server_routes", None)
+    if callable(fn):
+        fn(service)
+
+
 def _setup_logging() -> None:
     level = logging.DEBUG if os.environ.get("HPC_RL_DEBUG") == "1" else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
@@ -382,6 +417,7 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
     engine = make_engine(cfg, device)
     service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
                              _model_vocab(str(cfg.model.path)))
+    _register_plugins(service)
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]
     if cfg.rollout.host.startswith("127.") or cfg.rollout.host in ("localhost", "::1"):

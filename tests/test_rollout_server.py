@@ -1,0 +1,248 @@
+"""The real rollout server as a subprocess on 127.0.0.1: API, auth, limits, and both weight transports."""
+
+import http.client
+import json
+import math
+import time
+from urllib.parse import urlsplit
+
+import pytest
+import requests
+import torch
+from safetensors.torch import save
+
+from hpc_rl.config import TinyModelConfig
+from hpc_rl.models import load_causal_lm
+from hpc_rl.models.tiny import build_tiny_model
+from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.testing import make_run, start_server, stop_server
+
+pytestmark = pytest.mark.slow
+
+CORPUS = [f"{i} + {i} = {2 * i}" for i in range(100)]
+SEQS, LENS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [2, 1]
+# fp32 on both sides; the server batches (right-padded) while the test runs one unpadded sequence.
+TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rollout-server")
+    model_dir = build_tiny_model(TinyModelConfig(), CORPUS, base / "tiny")
+    run = make_run(base / "runs", model_dir, max_model_len=32, weight_sync="http")
+    t0 = time.monotonic()
+    proc, info = start_server(run, 0, timeout_s=120)
+    s = requests.Session()
+    s.headers["Authorization"] = "Bearer " + run.read_token()
+    ns = type("Srv", (), {})()
+    ns.run, ns.proc, ns.info, ns.url, ns.s, ns.model_dir = run, proc, info, info["url"], s, model_dir
+    ns.startup_s = time.monotonic() - t0
+    yield ns
+    stop_server(proc)
+
+
+def local_logprobs(model, seqs=SEQS, lens=LENS):
+    out = []
+    for seq, pl in zip(seqs, lens):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
+        out.append([lp[j - 1, seq[j]].item() for j in range(pl, len(seq))])
+    return out
+
+
+def served_logprobs(srv):
+    r = srv.s.post(srv.url + "/logprobs", json={"token_ids": SEQS, "prompt_lens": LENS}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["logprobs"]
+
+
+def perturbed(model_dir, seed):
+    m = load_causal_lm(model_dir).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=g))
+    return m
+
+
+def test_rendezvous_and_health(srv):
+    assert srv.startup_s < 120
+    info = srv.info
+    assert info["index"] == 0 and info["host"] == "127.0.0.1" and info["engine"] == "hf"
+    assert info["url"] == f"http://127.0.0.1:{info['port']}" and info["pid"] == srv.proc.pid
+    assert srv.run.rollout_file(0).stat().st_mode & 0o777  # written atomically, readable
+    h = srv.s.get(srv.url + "/health", timeout=5).json()
+    assert h["status"] == "ok" and h["engine"] == "hf" and h["model"] == str(srv.model_dir)
+    assert isinstance(h["policy_version"], int)
+    log = (srv.run.logs / "rollout-0.log").read_text()
+    assert "bound to 127.0.0.1" in log  # the loud warning
+
+
+def test_generate(srv):
+    body = {"prompt_token_ids": [[5, 6, 7], [8, 9]], "n": 3, "max_new_tokens": 10, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "stop_token_ids": [], "seed": 11}
+    r = srv.s.post(srv.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert isinstance(res["policy_version"], int)
+    assert len(res["outputs"]) == 2 and all(len(row) == 3 for row in res["outputs"])
+    for row in res["outputs"]:
+        for s in row:
+            assert len(s["token_ids"]) == len(s["logprobs"]) and 1 <= len(s["token_ids"]) <= 10
+            assert s["finish_reason"] in ("stop", "length")
+            assert all(math.isfinite(x) and x <= 0 for x in s["logprobs"])
+    again = srv.s.post(srv.url + "/generate", json=body, timeout=30).json()
+    assert again["outputs"] == res["outputs"]
+    other = srv.s.post(srv.url + "/generate", json={**body, "seed": 12}, timeout=30).json()
+    assert other["outputs"] != res["outputs"]
+
+
+def test_bad_requests_are_400_naming_the_field(srv):
+    long = {"prompt_token_ids": [[5], list(range(1, 30))], "max_new_tokens": 8}
+    r = srv.s.post(srv.url + "/generate", json=long, timeout=10)
+    assert r.status_code == 400 and "prompt_token_ids[1]" in r.json()["error"]
+    assert "max_model_len 32" in r.json()["error"]
+    r = srv.s.post(srv.url + "/generate", json={"n": 2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"].startswith("prompt_token_ids")
+    r = srv.s.post(srv.url + "/generate", data=b"{not json", timeout=10)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    r = srv.s.post(srv.url + "/logprobs", json={"token_ids": [[1, 2]]}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"].startswith("prompt_lens")
+    r = srv.s.post(srv.url + "/weights?bucket=0&final=1", data=b"x", timeout=10)
+    assert r.status_code == 400 and r.json()["error"].startswith("version")
+    assert srv.s.get(srv.url + "/nope", timeout=5).status_code == 404
+
+
+def test_logprobs_equal_local_model(srv):
+    # this runs before any weight push: the served weights are the folder's
+    assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 0
+    want = local_logprobs(load_causal_lm(srv.model_dir).eval())
+    assert served_logprobs(srv)[0] == pytest.approx(want[0], abs=TOL)
+    assert served_logprobs(srv)[1] == pytest.approx(want[1], abs=TOL)
+
+
+ENDPOINTS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POST", "/generate"),
+             ("POST", "/logprobs"), ("POST", "/weights?version=99&bucket=0&final=1"),
+             ("POST", "/weights/load_file")]
+
+
+def test_auth_required_everywhere(srv):
+    before = srv.s.get(srv.url + "/metrics", timeout=5).json()
+    bucket = save({"lm_head.weight": torch.zeros(64, 128)})
+    for method, path in ENDPOINTS:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic " + srv.run.read_token()}):
+            r = requests.request(method, srv.url + path, headers=headers, timeout=10,
+                                 data=bucket if "weights?" in path else b'{"prompt_token_ids": [[1]]}')
+            assert r.status_code == 401, (method, path, headers)
+            assert "Authorization" in r.json()["error"]
+    after = srv.s.get(srv.url + "/metrics", timeout=5).json()
+    assert after["policy_version"] == before["policy_version"]  # the zero lm_head bucket was not loaded
+    assert after["generate_requests"] == before["generate_requests"]
+    assert after["weight_updates"] == before["weight_updates"]
+
+
+def raw_post(url, path, headers):
+    """Send only headers (a huge Content-Length, no body): the server must answer without reading."""
+    u = urlsplit(url)
+    c = http.client.HTTPConnection(u.hostname, u.port, timeout=10)
+    c.putrequest("POST", path)
+    for k, v in headers.items():
+        c.putheader(k, v)
+    c.endheaders()
+    r = c.getresponse()
+    body = json.loads(r.read())
+    c.close()
+    return r.status, body
+
+
+def test_oversize_bodies_are_413(srv):
+    auth = {"Authorization": "Bearer " + srv.run.read_token()}
+    status, body = raw_post(srv.url, "/generate", {**auth, "Content-Length": str(64 * 2**20 + 1)})
+    assert status == 413 and "exceed" in body["error"]
+    status, body = raw_post(srv.url, "/weights?version=1&bucket=0&final=1", {**auth, "Content-Length": str(2**40)})
+    assert status == 413
+    # without the token the size does not matter: 401 first
+    status, _ = raw_post(srv.url, "/generate", {"Content-Length": str(2**40)})
+    assert status == 401
+
+
+def push_http(srv, tensors, version, bucket=0, final=1):
+    return srv.s.post(f"{srv.url}/weights?version={version}&bucket={bucket}&final={final}",
+                      data=save(tensors), timeout=60)
+
+
+def test_weight_push_http_and_file(srv):
+    client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=60, retries=0, weight_sync="http")
+    m1 = perturbed(srv.model_dir, 1)
+    stats = client.push_weights(m1.state_dict().items(), version=1)
+    assert stats["transport"] == "http" and stats["bytes"] > 1_000_000
+    assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 1
+    want = local_logprobs(m1)
+    got = served_logprobs(srv)
+    for g, w in zip(got, want):
+        assert g == pytest.approx(w, abs=TOL)
+    base = local_logprobs(load_causal_lm(srv.model_dir).eval())
+    assert abs(got[0][0] - base[0][0]) > 1e-3  # the perturbation is visible
+
+    client.weight_sync = "file"
+    m2 = perturbed(srv.model_dir, 2)
+    # bf16 tensors on the wire: the server casts to its fp32 weights
+    stats = client.push_weights(((k, v.to(torch.bfloat16)) for k, v in m2.state_dict().items()), version=2)
+    assert stats["transport"] == "file"
+    assert sorted(p.name for p in srv.run.weights.iterdir()) == ["v2"]
+    assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 2
+    with torch.no_grad():  # round the parameters only (module.to would also round rotary buffers)
+        for p in m2.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    want = local_logprobs(m2)
+    for g, w in zip(served_logprobs(srv), want):
+        assert g == pytest.approx(w, abs=TOL)
+    client.close()
+
+
+def test_bad_weights_leave_the_model_unchanged(srv):
+    before = served_logprobs(srv)
+    version = srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"]
+    r = push_http(srv, {"model.norm.weight": torch.zeros(128), "lm_head.weight": torch.zeros(64, 127)}, 50)
+    assert r.status_code == 400 and "'lm_head.weight' has shape [64, 127]" in r.json()["error"]
+    r = push_http(srv, {"model.norm.weight": torch.zeros(128), "model.extra.weight": torch.zeros(2)}, 51)
+    assert r.status_code == 400 and "'model.extra.weight' is not a parameter" in r.json()["error"]
+    r = push_http(srv, {"model.norm.weight": torch.zeros(128, dtype=torch.int64)}, 52)
+    assert r.status_code == 400 and "dtype" in r.json()["error"]
+    r = srv.s.post(f"{srv.url}/weights?version=53&bucket=0&final=1", data=b"not safetensors", timeout=10)
+    assert r.status_code == 400
+    # staging: a non-final bucket changes nothing; a final bucket with a gap is refused
+    assert push_http(srv, {"model.norm.weight": torch.zeros(128)}, 54, bucket=0, final=0).status_code == 200
+    assert served_logprobs(srv) == before
+    r = push_http(srv, {"lm_head.weight": torch.zeros(64, 128)}, 54, bucket=2, final=1)
+    assert r.status_code == 400 and "bucket(s) [1]" in r.json()["error"]
+    # the file transport only reads RUN/weights
+    outside = srv.run.root / "elsewhere.safetensors"
+    outside.write_bytes(save({"lm_head.weight": torch.zeros(64, 128)}))
+    r = srv.s.post(srv.url + "/weights/load_file", json={"path": str(outside), "version": 55}, timeout=10)
+    assert r.status_code == 400 and "outside" in r.json()["error"]
+    r = srv.s.post(srv.url + "/weights/load_file",
+                   json={"path": str(srv.run.weights / ".." / "elsewhere.safetensors"), "version": 55}, timeout=10)
+    assert r.status_code == 400 and "outside" in r.json()["error"]
+    assert served_logprobs(srv) == before
+    assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == version
+
+
+def test_multi_bucket_push_applies_on_final(srv):
+    assert push_http(srv, {"model.norm.weight": torch.zeros(128)}, 60, bucket=0, final=0).status_code == 200
+    r = push_http(srv, {"lm_head.weight": torch.ones(64, 128)}, 60, bucket=1, final=1)
+    assert r.status_code == 200 and r.json() == {"policy_version": 60, "tensors": 2}
+    # zero final norm -> zero hidden -> uniform next-token distribution
+    assert served_logprobs(srv)[0] == pytest.approx([-math.log(64)] * 5, abs=1e-5)
+
+
+def test_metrics(srv):
+    m = srv.s.get(srv.url + "/metrics", timeout=5).json()
+    assert m["generate_requests"] >= 3 and m["generated_tokens"] > 0 and m["last_batch_tokens_per_s"] > 0
+    assert m["weight_updates"] >= 3 and m["policy_version"] == 60 and m["engine"] == "hf"
+
+
+def test_sigterm_exits_cleanly(srv):
+    assert stop_server(srv.proc, timeout_s=15) == 0
+    assert not srv.run.rollout_file(0).exists()
+    assert "stopping (SIGTERM)" in (srv.run.logs / "rollout-0.log").read_text()

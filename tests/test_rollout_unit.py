@@ -1,0 +1,136 @@
+"""Fast unit tests of the rollout pieces: sampling filters, chunking, validation, buckets, protocol, addresses."""
+
+import ipaddress
+import math
+
+import pytest
+import torch
+
+from hpc_rl.rollout import protocol
+from hpc_rl.rollout.client import chunk_seed, split_contiguous
+from hpc_rl.rollout.engine_hf import filter_logits
+from hpc_rl.rollout.server import advertise_host
+from hpc_rl.rollout.weights import (WeightError, bucket_bytes_of, buckets, load_path, prune_versions,
+                                    tensors_from_bytes, validate_named_tensors, write_version)
+
+# probabilities 0.1, 0.2, 0.3, 0.4
+LOGITS = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+
+
+def kept(logits):
+    return torch.isfinite(logits[0]).nonzero().flatten().tolist()
+
+
+def test_filter_logits_top_k_and_top_p():
+    assert kept(filter_logits(LOGITS, -1, 1.0)) == [0, 1, 2, 3]
+    assert kept(filter_logits(LOGITS, 2, 1.0)) == [2, 3]
+    assert kept(filter_logits(LOGITS, 1, 1.0)) == [3]
+    # mass before each sorted token: 0, .4, .7, .9 -> a token stays while that mass < top_p
+    assert kept(filter_logits(LOGITS, -1, 0.4)) == [3]
+    assert kept(filter_logits(LOGITS, -1, 0.5)) == [2, 3]
+    assert kept(filter_logits(LOGITS, -1, 0.75)) == [1, 2, 3]
+    # top-p applies to the top-k-renormalized distribution (as vLLM/HF do): 4/9, 3/9, 2/9 -> mass before .78
+    assert kept(filter_logits(LOGITS, 3, 0.75)) == [2, 3]
+    assert kept(filter_logits(LOGITS, 3, 0.8)) == [1, 2, 3]
+    assert kept(filter_logits(LOGITS, 2, 0.75)) == [2, 3]
+    # kept logits are unchanged (renormalization happens in softmax)
+    assert filter_logits(LOGITS, 2, 1.0)[0, 3].item() == pytest.approx(math.log(4.0))
+
+
+def test_split_contiguous():
+    assert split_contiguous(5, 2) == [(0, 3), (3, 5)]
+    assert split_contiguous(2, 5) == [(0, 1), (1, 2)]
+    assert split_contiguous(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert split_contiguous(4, 1) == [(0, 4)]
+
+
+def test_chunk_seed():
+    assert chunk_seed(None, 3) is None
+    assert chunk_seed(7, 0) == chunk_seed(7, 0)
+    assert len({chunk_seed(7, 0), chunk_seed(7, 4), chunk_seed(8, 0)}) == 3
+
+
+SPECS = {"a.weight": ((2, 3), torch.float32), "b.ids": ((4,), torch.int64)}
+
+
+def test_validate_named_tensors():
+    validate_named_tensors(SPECS, [("a.weight", torch.zeros(2, 3, dtype=torch.bfloat16)),
+                                   ("b.ids", torch.zeros(4, dtype=torch.int32))])
+    with pytest.raises(WeightError, match="'c' is not a parameter"):
+        validate_named_tensors(SPECS, [("c", torch.zeros(1))])
+    with pytest.raises(WeightError, match=r"'a.weight' has shape \[3, 2\].*expects \[2, 3\]"):
+        validate_named_tensors(SPECS, [("a.weight", torch.zeros(3, 2))])
+    with pytest.raises(WeightError, match="'b.ids' has dtype torch.float32"):
+        validate_named_tensors(SPECS, [("b.ids", torch.zeros(4))])
+
+
+def test_buckets_group_by_size_and_copy_shared_storage():
+    w = torch.ones(100)  # 400 bytes
+    named = [("x", w), ("tied", w), ("y", torch.ones(100)), ("z", torch.ones(300))]
+    groups = list(buckets(named, bucket_bytes=1000))
+    assert [list(g) for g in groups] == [["x", "tied"], ["y"], ["z"]]
+    data = bucket_bytes_of(groups[0])  # safetensors refuses shared storage; buckets copies
+    back = dict(tensors_from_bytes(data))
+    assert torch.equal(back["tied"], w)
+    with pytest.raises(WeightError, match="not a safetensors"):
+        tensors_from_bytes(b"garbage")
+
+
+def test_write_version_load_and_prune(tmp_path):
+    named = [(f"t{i}", torch.full((64,), float(i))) for i in range(5)]
+    folder, nbytes = write_version(tmp_path, 3, named, bucket_bytes=512)
+    assert folder == tmp_path / "v3" and nbytes > 5 * 256
+    assert len(list(folder.glob("*.safetensors"))) == 3
+    back = dict(load_path(folder))
+    assert sorted(back) == [f"t{i}" for i in range(5)] and back["t4"][0].item() == 4.0
+    write_version(tmp_path, 4, named)
+    prune_versions(tmp_path, keep=4)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v4"]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(WeightError, match="no .safetensors"):
+        load_path(tmp_path / "empty")
+
+
+def test_parse_generate_errors_name_the_field():
+    ok = {"prompt_token_ids": [[1, 2], [3]], "n": 2, "max_new_tokens": 4}
+    prompts, p = protocol.parse_generate(ok, vocab=10, max_model_len=6)
+    assert prompts == [[1, 2], [3]] and p.n == 2 and p.top_k == -1 and p.seed is None
+    cases = [
+        ({**ok, "prompt_token_ids": [[1], [1, 2, 3]]}, r"prompt_token_ids\[1\]: 3 prompt tokens"),
+        ({**ok, "bogus": 1}, "bogus: unknown field"),
+        ({"n": 1}, "prompt_token_ids: missing"),
+        ({**ok, "prompt_token_ids": [[1, 99]]}, r"prompt_token_ids\[0\]: token id 99"),
+        ({**ok, "n": 0}, "n: must be >= 1"),
+        ({**ok, "top_k": 0}, "top_k: must be -1"),
+        ({**ok, "top_p": 1.5}, "top_p: must be in"),
+        ({**ok, "temperature": "hot"}, "temperature: expected a number"),
+        ({**ok, "stop_token_ids": ["x"]}, "stop_token_ids"),
+        ([1, 2], "body: expected a JSON object"),
+    ]
+    for body, msg in cases:
+        with pytest.raises(protocol.BadRequest, match=msg):
+            protocol.parse_generate(body, vocab=10, max_model_len=6)
+
+
+def test_parse_logprobs_errors():
+    assert protocol.parse_logprobs({"token_ids": [[1, 2, 3]], "prompt_lens": [1]}, 10, 8) == ([[1, 2, 3]], [1])
+    with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: must be >= 1"):
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [0]}, 10, 8)
+    with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: 3 exceeds"):
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [3]}, 10, 8)
+    with pytest.raises(protocol.BadRequest, match="one per token_ids row"):
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [1, 1]}, 10, 8)
+
+
+def test_advertise_host(monkeypatch):
+    monkeypatch.setenv("HPC_RL_ADVERTISE_HOST", "n3.cluster")
+    assert advertise_host("0.0.0.0") == "n3.cluster"
+    monkeypatch.delenv("HPC_RL_ADVERTISE_HOST")
+    assert advertise_host("10.77.0.12") == "10.77.0.12"  # bound to one address: only that one is reachable
+    addr = ipaddress.ip_address(advertise_host("0.0.0.0"))
+    assert addr.version == 4
+    import socket
+    from hpc_rl.rollout.server import _iface_ipv4
+    others = [ip for _, n in socket.if_nameindex() if (ip := _iface_ipv4(n)) and not ip.startswith("127.")]
+    if others:
+        assert not addr.is_loopback
