@@ -22,9 +22,8 @@ def make_run(output_dir: str | Path, model_path: str | Path, name: str = "rollou
     return run
 
 
-def start_server(run: RunDir, index: int = 0, timeout_s: float = 120.0,
-                 env: dict | None = None) -> tuple[subprocess.Popen, dict]:
-    """Start `python -m hpc_rl.rollout.server` (output in RUN/logs/rollout-K.log); wait for its rendezvous file."""
+def spawn_server(run: RunDir, index: int = 0, env: dict | None = None) -> subprocess.Popen:
+    """Start `python -m hpc_rl.rollout.server` (output in RUN/logs/rollout-K.log) without waiting."""
     run.logs.mkdir(parents=True, exist_ok=True)
     log = open(run.logs / f"rollout-{index}.log", "ab")
     full_env = {**os.environ, "HPC_RL_ROLLOUT_THREADS": "1", **(env or {})}
@@ -32,11 +31,16 @@ def start_server(run: RunDir, index: int = 0, timeout_s: float = 120.0,
                              "--index", str(index), "--device", "cpu"],
                             stdout=log, stderr=subprocess.STDOUT, env=full_env)
     log.close()
+    return proc
+
+
+def wait_rendezvous(run: RunDir, index: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> dict:
+    """The server's rendezvous info once written; RuntimeError with its log tail if it dies or times out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         info = read_json(run.rollout_file(index))
         if info and info.get("pid") == proc.pid:
-            return proc, info
+            return info
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -44,6 +48,13 @@ def start_server(run: RunDir, index: int = 0, timeout_s: float = 120.0,
     tail = (run.logs / f"rollout-{index}.log").read_text(errors="replace")[-2000:]
     raise RuntimeError(f"rollout server {index} did not write its rendezvous file within {timeout_s}s "
                        f"(exit code {proc.poll()}); log tail:\n{tail}")
+
+
+def start_server(run: RunDir, index: int = 0, timeout_s: float = 120.0,
+                 env: dict | None = None) -> tuple[subprocess.Popen, dict]:
+    """spawn_server + wait_rendezvous."""
+    proc = spawn_server(run, index, env)
+    return proc, wait_rendezvous(run, index, proc, timeout_s)
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 15.0) -> int:

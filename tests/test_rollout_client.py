@@ -1,0 +1,121 @@
+"""RolloutClient against two real servers: load balancing, failover after SIGKILL, error messages."""
+
+import logging
+import os
+import signal
+import time
+
+import pytest
+
+from hpc_rl.config import TinyModelConfig
+from hpc_rl.errors import RolloutError
+from hpc_rl.models import load_causal_lm
+from hpc_rl.models.tiny import build_tiny_model
+from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.engine import SamplingParams
+from hpc_rl.rollout.testing import make_run, spawn_server, stop_server, wait_rendezvous
+
+pytestmark = pytest.mark.slow
+
+CORPUS = [f"{i} * 3 = {3 * i}" for i in range(100)]
+PROMPTS = [[5 + i, 6, 7 + (i % 3)] for i in range(6)]
+PARAMS = SamplingParams(n=2, max_new_tokens=8, seed=123)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    base = tmp_path_factory.mktemp("rollout-client")
+    model_dir = build_tiny_model(TinyModelConfig(), CORPUS, base / "tiny")
+    run = make_run(base / "runs", model_dir, max_model_len=64, retries=1, request_timeout_s=30,
+                   weight_sync="http")
+    procs = [spawn_server(run, k) for k in range(2)]  # start both at once: startup dominates the runtime
+    for k, p in enumerate(procs):
+        wait_rendezvous(run, k, p)
+    ns = type("Pair", (), {})()
+    ns.run, ns.procs, ns.model_dir = run, procs, model_dir
+    yield ns
+    for p in procs:
+        stop_server(p)
+
+
+def client_for(run, **kw):
+    from hpc_rl.config import load
+
+    cfg = load(run.job_yaml, [f"rollout.{k}={v}" for k, v in kw.items()])
+    return RolloutClient.from_run_dir(run, cfg)
+
+
+def test_wait_ready_and_balanced_generate(pair):
+    c = client_for(pair.run)
+    c.wait_ready(2, timeout_s=30)
+    res = c.generate(PROMPTS, PARAMS, step=0)
+    assert len(res.outputs) == 6 and all(len(r) == 2 for r in res.outputs)
+    assert res.policy_versions == [0] * 6 and res.tokens_per_s > 0 and res.seconds > 0
+    assert c.generate(PROMPTS, PARAMS, step=0).outputs == res.outputs  # same seed, same samples
+    # both servers did part of the work (contiguous chunks, one per server)
+    for k in range(2):
+        m = c.servers[k].session.get(c.servers[k].url + "/metrics", timeout=5).json()
+        assert m["generate_requests"] == 2
+    # the logprobs route agrees with the generated log-probs (same weights everywhere)
+    s = res.outputs[4][1]
+    lp = c.logprobs([PROMPTS[4] + s.token_ids], [len(PROMPTS[4])])
+    assert lp[0] == pytest.approx(s.logprobs, abs=1e-5)
+    pair.baseline = res.outputs
+    c.close()
+
+
+def test_push_weights_reaches_both_servers(pair):
+    c = client_for(pair.run)
+    c.wait_ready(2, timeout_s=30)
+    m = load_causal_lm(pair.model_dir)
+    stats = c.push_weights(list(m.state_dict().items()), version=1)  # the same weights, version 1
+    assert stats["transport"] == "http"
+    res = c.generate(PROMPTS, PARAMS, step=1)
+    assert res.policy_versions == [1] * 6 and res.outputs == pair.baseline
+    c.close()
+
+
+def test_killed_server_work_moves_to_the_other(pair, caplog):
+    pair.procs[1].send_signal(signal.SIGKILL)
+    pair.procs[1].wait(10)
+    dead_url = client_for(pair.run).servers[1].url
+    c = client_for(pair.run)
+    c.expected = 2
+    with caplog.at_level(logging.WARNING, logger="hpc_rl"):
+        res = c.generate(PROMPTS, PARAMS, step=2)
+    # chunk boundaries and seeds do not depend on which server answers: the same samples as before
+    assert res.outputs == pair.baseline
+    assert any(dead_url in r.getMessage() for r in caplog.records)
+    assert not c.servers[1].healthy
+    c.close()
+    # without retries the failed chunk is an error naming the dead server and the step
+    c = client_for(pair.run, retries=0)
+    c.expected = 2
+    with pytest.raises(RolloutError) as ei:
+        c.generate(PROMPTS, PARAMS, step=7)
+    msg = str(ei.value)
+    assert dead_url in msg and "step 7" in msg and "\n" not in msg
+    c.close()
+
+
+def test_wait_ready_timeout_names_missing_servers(pair):
+    (pair.run.logs / "rollout-2.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
+    c = client_for(pair.run)
+    t0 = time.monotonic()
+    with pytest.raises(RolloutError) as ei:
+        c.wait_ready(3, timeout_s=2)
+    assert time.monotonic() - t0 < 15
+    msg = str(ei.value)
+    assert "server 1 at http://127.0.0.1:" in msg  # killed: its file is there but it does not answer
+    assert "server 2 wrote no rollout-2.json" in msg and "CUDA out of memory" in msg
+    assert "127.0.0.1" in msg and "server 0" not in msg
+    c.close()
+
+
+def test_done_file_stops_the_server(pair):
+    proc = pair.procs[0]
+    pair.run.done_file.write_text('{"step": 3}')
+    assert proc.wait(15) == 0
+    assert not pair.run.rollout_file(0).exists()
+    assert "stopping (done.json)" in (pair.run.logs / "rollout-0.log").read_text()
+    assert os.path.exists(pair.run.rollout_file(1))  # SIGKILLed servers leave theirs
