@@ -1,0 +1,248 @@
+"""Job checks (`hpc-rl doctor --job`): model folder, pad token, architectures, GPU placement, reward, bind address."""
+
+from __future__ import annotations
+
+import importlib
+import ipaddress
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..doctor import FAIL, OK, WARN, Ctx, Result, check
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _model_dir(ctx: Ctx) -> Path | None:
+    p = ctx.job.model.path
+    return Path(p) if p and Path(p).is_dir() else None
+
+
+@check("job:model", needs_job=True)
+def check_model(ctx: Ctx) -> Result:
+    m = ctx.job.model
+    if m.tiny is not None:
+        return Result("job:model", OK, "model.tiny: built offline at run time")
+    p = Path(m.path)
+    if not p.exists():
+        looks_hub = "/" in m.path and not m.path.startswith(("/", ".", "~")) and len(Path(m.path).parts) == 2
+        fix = (f"download it first (compute nodes are often offline): hf download {m.path} --local-dir models/{p.name}, "
+               "then set model.path to that folder") if looks_hub else "point model.path at an HF model folder"
+        return Result("job:model", FAIL, f"model.path: {m.path} is not a local folder", fix)
+    missing = []
+    if not (p / "config.json").is_file():
+        missing.append("config.json")
+    if not any((p / f).is_file() for f in TOKENIZER_FILES):
+        missing.append("tokenizer files (" + " or ".join(TOKENIZER_FILES) + ")")
+    if not (p / "tokenizer_config.json").is_file():
+        missing.append("tokenizer_config.json")
+    if missing:
+        return Result("job:model", FAIL, f"model.path: {p} lacks {', '.join(missing)}",
+                      "save the model and its tokenizer there (model.save_pretrained + tokenizer.save_pretrained)")
+    return Result("job:model", OK, f"{p}: config and tokenizer files present")
+
+
+@check("job:pad-token", needs_job=True)
+def check_pad_token(ctx: Ctx) -> Result:
+    p = _model_dir(ctx)
+    if p is None:
+        return Result("job:pad-token", OK, "model.tiny: its tokenizer has <pad>" if ctx.job.model.tiny else
+                      "skipped: no model folder (see job:model)")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=ctx.job.model.trust_remote_code)
+    except Exception as e:  # any loader error is the user's folder
+        return Result("job:pad-token", FAIL, f"the tokenizer in {p} does not load ({str(e).splitlines()[0][:200]})",
+                      "save a working tokenizer there (tokenizer.save_pretrained)")
+    if tok.pad_token is not None:
+        pid = tok.convert_tokens_to_ids(tok.pad_token)
+        try:
+            vocab = json.loads((p / "config.json").read_text()).get("vocab_size")
+        except (OSError, ValueError):
+            vocab = None
+        if pid is None or (pid == tok.unk_token_id and tok.pad_token != tok.unk_token) or \
+                (isinstance(vocab, int) and pid >= vocab):
+            # e.g. Qwen2Tokenizer adds its class default '<|endoftext|>' to a vocab that lacks it
+            return Result("job:pad-token", FAIL, f"pad token {tok.pad_token!r} (id {pid}) is not in the model's "
+                          f"vocabulary (vocab_size {vocab}); {type(tok).__name__} added it as a default",
+                          "set pad_token in tokenizer_config.json to a token of the vocabulary (e.g. the eos token)")
+        return Result("job:pad-token", OK, f"pad token {tok.pad_token!r} (id {pid})")
+    if tok.eos_token is not None:
+        return Result("job:pad-token", WARN, f"the tokenizer has no pad token; eos {tok.eos_token!r} will be used",
+                      "set pad_token in tokenizer_config.json to silence this (eos as pad is usually fine)")
+    return Result("job:pad-token", FAIL, f"the tokenizer in {p} has neither a pad nor an eos token",
+                  "set pad_token (and eos_token) in tokenizer_config.json")
+
+
+@check("job:architectures", needs_job=True)
+def check_architectures(ctx: Ctx) -> Result:
+    """transformers must know the model's `architectures` (else it is too old for that model)."""
+    p = _model_dir(ctx)
+    if p is None or not (p / "config.json").is_file():
+        return Result("job:architectures", OK, "model.tiny: Qwen2/Llama" if ctx.job.model.tiny else
+                      "skipped: no config.json (see job:model)")
+    cfg = json.loads((p / "config.json").read_text())
+    archs = cfg.get("architectures") or []
+    import transformers
+    from packaging.version import Version
+
+    have = transformers.__version__
+    unknown = [a for a in archs if not hasattr(transformers, a)]
+    need = cfg.get("transformers_version")
+    if unknown and not ctx.job.model.trust_remote_code:
+        return Result("job:architectures", FAIL, f"transformers {have} does not know {', '.join(unknown)} "
+                      f"(config.json architectures{'; saved with transformers ' + need if need else ''})",
+                      "upgrade transformers to a release that has it (and keep vLLM's range), "
+                      "or set model.trust_remote_code: true for custom code")
+    if need:
+        try:
+            newer = Version(need) > Version(have)
+        except Exception:
+            newer = False
+        if newer:
+            return Result("job:architectures", WARN, f"config.json was saved by transformers {need}, newer than {have}",
+                          f"pip install 'transformers>={need}' if loading misbehaves")
+    return Result("job:architectures", OK, f"transformers {have} knows {', '.join(archs) or '(none listed)'}")
+
+
+@check("job:placement", needs_job=True)
+def check_placement(ctx: Ctx) -> Result:
+    """Trainer and rollout GPUs must not overlap, must exist, and must fit a shared node."""
+    j = ctx.job
+    t, r = j.trainer, j.rollout
+    if t.device == "cpu":
+        return Result("job:placement", OK, "trainer.device=cpu: no GPU placement")
+    td, rd = [str(d) for d in t.local_devices], [str(d) for d in r.local_devices]
+    overlap = sorted(set(td) & set(rd))
+    if overlap:
+        return Result("job:placement", FAIL, f"GPUs {overlap} are in both trainer.local_devices and rollout.local_devices",
+                      "give the rollout servers GPUs the trainer does not use")
+    gpus = ((ctx.nvidia_smi or {}).get("gpus") or [])
+    if gpus and (td or rd):
+        known = {g["index"] for g in gpus} | {g["uuid"] for g in gpus}
+        missing = [d for d in td + rd if d not in known]
+        if missing:
+            return Result("job:placement", FAIL, f"local_devices name GPUs {missing} that this node does not have "
+                          f"({len(gpus)} GPU(s))", "use indices from nvidia-smi -L")
+    g = j.slurm.gpus_per_node
+    if g and r.nodes == 0:
+        need = t.procs_per_node + r.tensor_parallel * r.servers_per_node
+        if need > g:
+            return Result("job:placement", FAIL, f"rollout.nodes=0 puts rollout servers on the trainer node: "
+                          f"{t.procs_per_node} trainer + {r.tensor_parallel * r.servers_per_node} rollout GPUs "
+                          f"> slurm.gpus_per_node={g}", "set rollout.nodes >= 1 or lower trainer.procs_per_node")
+    return Result("job:placement", OK, f"trainer GPUs {td or 'auto'}, rollout GPUs {rd or 'auto'}: no overlap")
+
+
+def sample_rows(job, n: int = 2) -> tuple[list[dict], bool]:
+    """Up to `n` prompt rows from a local jsonl data file (real=True), else synthetic rows (real=False)."""
+    src, key = job.data.source, job.data.prompt_key
+    p = Path(src)
+    if p.suffix == ".jsonl" and p.is_file():
+        rows = []
+        with p.open() as f:
+            for line in f:
+                if line.strip():
+                    rows.append(json.loads(line))
+                if len(rows) >= n:
+                    break
+        if rows:
+            return rows, True
+    return [{key: "3 3 3", "answer": "3"}, {key: "7 7", "answer": "7"}][:n], False
+
+
+def _shape(v: Any):
+    shape = getattr(v, "shape", None)
+    if shape is not None:
+        return tuple(shape)
+    if isinstance(v, (list, tuple)):
+        return (len(v),) + (_shape(v[0]) if v and isinstance(v[0], (list, tuple)) else ())
+    return None
+
+
+def _as_float(v: Any) -> float | None:
+    """A single float from a Python/numpy/torch scalar or 0-d array; None for anything with a shape."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, (int, float)):
+        return float(v)
+    shape = getattr(v, "shape", None)
+    if shape is not None and tuple(shape) == () and hasattr(v, "item"):
+        return float(v.item())
+    return None
+
+
+@check("job:reward", needs_job=True)
+def check_reward(ctx: Ctx) -> Result:
+    """The reward `pkg.mod:fn` imports and returns one finite float per sample on sample rows."""
+    rc = ctx.job.reward
+    spec = rc.function
+    if ":" not in spec:
+        return Result("job:reward", FAIL, f"reward.function: {spec!r} is not 'package.module:function'",
+                      "write it as e.g. hpc_rl.rewards.toy:repeat_digit")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(mod_name), fn_name)
+    except ImportError as e:
+        return Result("job:reward", FAIL, f"reward.function: cannot import {mod_name} ({e})",
+                      "make the module importable (installed, or on PYTHONPATH) and check the spelling")
+    except AttributeError:
+        return Result("job:reward", FAIL, f"reward.function: {mod_name} has no {fn_name}", "check the function name")
+    rows, real = sample_rows(ctx.job)
+    key = ctx.job.data.prompt_key
+    prompts = [str(r.get(key, "")) for r in rows]
+    completions = [" " + p.split()[0] if p.split() else "x" for p in prompts]
+    fields = [{k: v for k, v in r.items() if k != key} for r in rows]
+    try:
+        if getattr(fn, "batched", False):
+            batch = {k: [f.get(k) for f in fields] for k in fields[0]}
+            out = fn(prompts, completions, **batch, **rc.kwargs)
+            shape = _shape(out)
+            if shape != (len(rows),):
+                return Result("job:reward", FAIL, f"{spec} (batched) returned shape {shape} for {len(rows)} samples; "
+                              f"expected ({len(rows)},)", "return one float per sample, e.g. a list or 1-D array "
+                              "(squeeze a trailing dimension)")
+            values = [float(v) for v in out]
+        else:
+            values = []
+            for p, c, f in zip(prompts, completions, fields):
+                v = fn(p, c, **f, **rc.kwargs)
+                fv = _as_float(v)
+                if fv is None:
+                    return Result("job:reward", FAIL, f"{spec} returned {type(v).__name__} of shape {_shape(v)} "
+                                  "for one sample; expected one float", "return a float per sample "
+                                  "(e.g. float(x) or x.item(); squeeze a (B, 1) output)")
+                values.append(fv)
+    except TypeError as e:
+        status = FAIL if real else WARN
+        return Result("job:reward", status, f"{spec} could not be called on a {'data' if real else 'synthetic'} row ({e})",
+                      "the signature must be fn(prompt, completion, **row_fields) -> float")
+    except Exception as e:
+        return Result("job:reward", FAIL, f"{spec} raised {type(e).__name__}: {e} on a sample row",
+                      "fix the reward function so it handles any completion")
+    bad = [v for v in values if not math.isfinite(v)]
+    if bad:
+        return Result("job:reward", FAIL, f"{spec} returned non-finite values {bad}", "return finite floats")
+    return Result("job:reward", OK, f"{spec} -> {values} on {len(values)} {'data' if real else 'synthetic'} rows")
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@check("job:rollout-bind", needs_job=True)
+def check_rollout_bind(ctx: Ctx) -> Result:
+    j = ctx.job
+    nodes = j.trainer.nodes + j.rollout.nodes
+    host = j.rollout.host
+    if _is_loopback(host) and nodes > 1:
+        return Result("job:rollout-bind", FAIL, f"rollout.host={host} is loopback but the job spans {nodes} nodes: "
+                      "trainers on other nodes cannot reach the rollout servers", "set rollout.host: 0.0.0.0")
+    return Result("job:rollout-bind", OK, f"rollout.host={host} ({nodes} node(s))")
