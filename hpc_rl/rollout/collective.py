@@ -24,6 +24,7 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator
 
 import torch
+from fastapi import HTTPException, Request  # module level: FastAPI resolves the handlers' annotations here
 
 from ..errors import RolloutError
 
@@ -83,6 +84,25 @@ def _bcast(pg, tensor: torch.Tensor):
     return pg.broadcast([tensor], opts)
 
 
+class SyncGroup:
+    """A backend process group plus its TCPStore (kept alive: on rank 0 it is the store's server)."""
+
+    def __init__(self, pg, store):
+        self.pg, self.store = pg, store
+
+    def broadcast(self, tensors, opts):
+        return self.pg.broadcast(tensors, opts)
+
+    def allreduce(self, tensors, opts):
+        return self.pg.allreduce(tensors, opts)
+
+    def shutdown(self) -> None:
+        shut = getattr(self.pg, "shutdown", None)
+        if callable(shut):
+            shut()
+        self.pg = self.store = None
+
+
 def join_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
                timeout_s: float, device: str = "cpu"):
     """Join the weight-sync group (rank 0 hosts the TCPStore); returns the backend ProcessGroup."""
@@ -110,7 +130,7 @@ def join_group(master_addr: str, master_port: int, world_size: int, rank: int, b
         pg = ProcessGroupNCCL(prefix, rank, world_size, opts)
     else:
         raise CollectiveError(f"weight sync: backend {backend!r} is not supported; use gloo (CPU) or nccl (GPU)")
-    pg._hpc_store = store  # keep the store (and, on rank 0, its server) alive as long as the group
+    pg = SyncGroup(pg, store)
     # A first collective proves every rank is in before anyone relies on the group.
     probe = torch.ones(1, device=device)
     opts_ar = torch.distributed.AllreduceOptions()
@@ -151,18 +171,23 @@ def receive_buckets(pg, plan: list, version: int, device: str = "cpu") -> Iterat
 
 def broadcast_buckets(pg, plan: list, tensors: dict[str, torch.Tensor], version: int, device: str = "cpu") -> None:
     """Rank 0: send the header, then each bucket flattened into one buffer (the next one built meanwhile)."""
-    hdr = torch.tensor([int(version), len(plan), plan_hash(plan)], dtype=torch.int64, device=device)
-    _bcast(pg, hdr).wait()
-    prev = None
-    for b in plan:
-        dt = getattr(torch, b["dtype"])
-        buf = torch.cat([tensors[name].detach().to(device=device, dtype=dt).reshape(-1) for name, _ in b["items"]])
-        work = _bcast(pg, buf)
+    try:
+        hdr = torch.tensor([int(version), len(plan), plan_hash(plan)], dtype=torch.int64, device=device)
+        _bcast(pg, hdr).wait()
+        prev = None
+        for b in plan:
+            dt = getattr(torch, b["dtype"])
+            buf = torch.cat([tensors[name].detach().to(device=device, dtype=dt).reshape(-1)
+                             for name, _ in b["items"]])
+            work = _bcast(pg, buf)
+            if prev is not None:
+                prev[1].wait()
+            prev = (buf, work)
         if prev is not None:
             prev[1].wait()
-        prev = (buf, work)
-    if prev is not None:
-        prev[1].wait()
+    except RuntimeError as e:  # gloo/NCCL: a peer left (it logs why) or the group timed out
+        raise CollectiveError(f"weight sync: broadcast of version {version} failed "
+                              f"({str(e).splitlines()[0][:200]}); see the rollout server's log") from None
 
 
 def free_port(host: str = "") -> int:
@@ -293,8 +318,6 @@ def register_collective_routes(app, engine, state) -> None:
     Requests carry `Authorization: Bearer TOKEN`. join and update answer at once; the work runs in a
     thread and GET /collective/status reports {joined, busy, error, version, seconds}.
     """
-    from fastapi import HTTPException, Request
-
     target = engine if hasattr(engine, "collective_join") else LocalCollective(engine, device=_engine_device(engine))
     rs = _ReceiverState(target)
     token = getattr(state, "token", None)
@@ -480,7 +503,15 @@ class CollectiveSender:
         plan = make_plan(specs, self.bucket_bytes)
         for s in self.servers:
             self._req("POST", f"{s}/collective/update", {"version": int(version), "plan": plan})
-        broadcast_buckets(self.pg, plan, dict(named), version, device=self.device)
+        try:
+            broadcast_buckets(self.pg, plan, dict(named), version, device=self.device)
+        except CollectiveError:
+            # A server that failed says why in its status; that beats the transport's message.
+            for s in self.servers:
+                st = self._req("GET", f"{s}/collective/status")
+                if st.get("error"):
+                    raise CollectiveError(f"weight sync: {s} failed to load version {version}: {st['error']}") from None
+            raise
         sts = self._wait_all(f"load weights version {version}",
                              lambda st: st.get("version") == int(version) and not st.get("busy"))
         self.last_seconds = {s: st.get("seconds") for s, st in zip(self.servers, sts)}
