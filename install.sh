@@ -125,12 +125,16 @@ fail() {
 # check CODE: a verification that must pass after the step ran (python inside the env).
 verify() {
     [ "$DRY" = 1 ] && { say "      (verify) $1"; return 0; }
-    local out
-    if ! out="$("$PYBIN" -c "$2" 2>&1)"; then
-        mkdir -p "$LOGDIR"; printf '%s\n' "$out" >>"$LOGDIR/step-$CUR_STEP.log"
-        fail "verification: $1" "$LOGDIR/step-$CUR_STEP.log"
+    local out log="$LOGDIR/step-$CUR_STEP.log"
+    mkdir -p "$LOGDIR"
+    printf '\n(verify) %s\n' "$1" >>"$log"
+    # stdout is the result line; warnings and tracebacks go to the step log.
+    if ! out="$("$PYBIN" -c "$2" 2>>"$log")"; then
+        printf '%s\n' "$out" >>"$log"
+        fail "verification: $1" "$log"
     fi
-    result "$out"
+    printf '%s\n' "$out" >>"$log"
+    result "$(printf '%s\n' "$out" | tail -n 1)"  # libraries may print banners first; the check prints last
 }
 # probe CODE: true when the env already satisfies a step (skipped in --dry-run: the plan shows all).
 probe() { [ "$DRY" = 0 ] && [ -x "$PYBIN" ] && "$PYBIN" -c "$1" >/dev/null 2>&1; }
