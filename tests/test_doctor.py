@@ -206,8 +206,11 @@ def test_master_port_in_use_fails():
 
 def test_hostname_loopback_fails_for_multi_node_job():
     j = make_job(trainer={"nodes": 2})
-    r = system.check_hostname(Ctx(job=j, hostname="n1", resolve=lambda h: ["127.0.1.1"]))
+    r = system.check_hostname(Ctx(job=j, hostname="n1", resolve=lambda h: ["127.0.1.1"],
+                                  environ={"SLURM_JOB_ID": "7"}))
     assert r.status == FAIL and "resolves only to loopback (127.0.1.1)" in r.message
+    # outside an allocation (login node, `hpc-rl run`) the same name is a warning
+    assert system.check_hostname(Ctx(job=j, hostname="n1", resolve=lambda h: ["127.0.1.1"], environ={})).status == WARN
     assert system.check_hostname(Ctx(hostname="n1", resolve=lambda h: None)).status == WARN
     assert system.check_hostname(Ctx(hostname="n1", resolve=lambda h: ["10.77.0.11"])).status == OK
     assert system.resolve("localhost") and all(a in ("127.0.0.1", "::1") for a in system.resolve("localhost"))
@@ -274,7 +277,7 @@ def test_model_folder_without_tokenizer_fails(tmp_path):
     r = job.check_model(Ctx(job=make_job(model={"path": str(tmp_path)})))
     assert r.status == FAIL and "lacks tokenizer files" in r.message
     r = job.check_model(Ctx(job=make_job(model={"path": "Qwen/Qwen2.5-0.5B"})))
-    assert r.status == FAIL and "hf download Qwen/Qwen2.5-0.5B" in r.fix
+    assert r.status == FAIL and "does not exist here" in r.message and "hf download ORG/Qwen2.5-0.5B" in r.fix
 
 
 def test_tokenizer_without_pad_warns_and_without_eos_fails(tmp_path):
@@ -323,11 +326,9 @@ REWARDS = textwrap.dedent("""
 
     def batched_column(prompts, completions, **rows):
         return np.zeros((len(prompts), 1))
-    batched_column.batched = True
 
     def batched_ok(prompts, completions, **rows):
         return [1.0] * len(prompts)
-    batched_ok.batched = True
 
     def nan(prompt, completion, **row):
         return math.nan
@@ -337,29 +338,33 @@ REWARDS = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("fn,status,text", [
-    ("good", OK, "-> [1.0, 1.0]"),
-    ("column", FAIL, "returned ndarray of shape (1, 1) for one sample; expected one float"),
-    ("batched_column", FAIL, "returned shape (2, 1) for 2 samples; expected (2,)"),
-    ("batched_ok", OK, "on 2 synthetic rows"),
-    ("nan", FAIL, "non-finite"),
-    ("boom", FAIL, "raised KeyError"),
-    ("missing", FAIL, "has no missing"),
+@pytest.mark.parametrize("fn,batched,status,text", [
+    ("good", False, OK, "-> [1.0, 1.0]"),
+    ("column", False, FAIL, "returned shape (1, 1); a reward must be one float per sample"),
+    ("batched_column", True, FAIL, "returned shape (2, 1) for 2 samples"),
+    ("batched_ok", True, OK, "on 2 data rows"),
+    ("nan", False, FAIL, "rewards must be finite"),
+    ("boom", False, FAIL, "raised KeyError"),
+    ("missing", False, FAIL, "has no callable 'missing'"),
 ])
-def test_reward_function_checked_on_sample_rows(tmp_path, monkeypatch, fn, status, text):
+def test_reward_function_checked_on_sample_rows(tmp_path, monkeypatch, fn, batched, status, text):
     (tmp_path / "my_rewards_mod.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    r = job.check_reward(Ctx(job=make_job(reward={"function": f"my_rewards_mod:{fn}"})))
-    assert r.status == status and text in r.message
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "5 5", "answer": "5"}\n{"prompt": "6 6", "answer": "6"}\n')
+    j = make_job(reward={"function": f"my_rewards_mod:{fn}", "batched": batched}, data={"source": str(data)})
+    r = by_name(job.check_reward(Ctx(job=j)), "job:reward")
+    assert r.status == status and text in r.message, r.message
 
 
-def test_reward_uses_data_rows(tmp_path, monkeypatch):
+def test_reward_check_reports_unloadable_data(tmp_path, monkeypatch):
     (tmp_path / "my_rewards_mod2.py").write_text(REWARDS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"prompt": "5 5", "answer": "5"}\n')
-    r = job.check_reward(Ctx(job=make_job(reward={"function": "my_rewards_mod2:good"}, data={"source": str(data)})))
-    assert r.status == OK and "1 data rows" in r.message
+    j = make_job(reward={"function": "my_rewards_mod2:good"}, data={"source": str(tmp_path / "none.jsonl")})
+    res = job.check_reward(Ctx(job=j))
+    assert by_name(res, "job:data").status == FAIL
+    r = by_name(res, "job:reward")
+    assert r.status == OK and "synthetic rows" in r.message
 
 
 def test_loopback_rollout_bind_fails_multi_node():
@@ -382,7 +387,7 @@ def test_run_doctor_with_good_job(tmp_path, monkeypatch, capsys):
     monkeypatch.syspath_prepend(str(tmp_path))
     d = _tokenizer(tmp_path / "m")
     spec = tmp_path / "job.yaml"
-    spec.write_text(f"model:\n  path: {d}\nreward:\n  function: my_rewards_mod3:good\n"
+    spec.write_text(f"model:\n  path: {d}\nreward:\n  function: my_rewards_mod3:good\ndata:\n  source: toy:repeat_digit\n"
                     "trainer:\n  device: cpu\nrollout:\n  nodes: 0\n")
     rc = run_doctor(job=str(spec), as_json=True)
     data = json.loads(capsys.readouterr().out)

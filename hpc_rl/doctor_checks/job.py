@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
 import ipaddress
 import json
-import math
 from pathlib import Path
-from typing import Any
-
 from ..doctor import FAIL, OK, WARN, Ctx, Result, check
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -26,10 +22,9 @@ def check_model(ctx: Ctx) -> Result:
         return Result("job:model", OK, "model.tiny: built offline at run time")
     p = Path(m.path)
     if not p.exists():
-        looks_hub = "/" in m.path and not m.path.startswith(("/", ".", "~")) and len(Path(m.path).parts) == 2
-        fix = (f"download it first (compute nodes are often offline): hf download {m.path} --local-dir models/{p.name}, "
-               "then set model.path to that folder") if looks_hub else "point model.path at an HF model folder"
-        return Result("job:model", FAIL, f"model.path: {m.path} is not a local folder", fix)
+        return Result("job:model", FAIL, f"model.path: {m.path} does not exist here",
+                      f"download the model first (compute nodes are often offline), e.g. "
+                      f"`hf download ORG/{p.name} --local-dir {m.path}`, or fix model.path")
     missing = []
     if not (p / "config.json").is_file():
         missing.append("config.json")
@@ -136,96 +131,54 @@ def check_placement(ctx: Ctx) -> Result:
     return Result("job:placement", OK, f"trainer GPUs {td or 'auto'}, rollout GPUs {rd or 'auto'}: no overlap")
 
 
-def sample_rows(job, n: int = 2) -> tuple[list[dict], bool]:
-    """Up to `n` prompt rows from a local jsonl data file (real=True), else synthetic rows (real=False)."""
-    src, key = job.data.source, job.data.prompt_key
-    p = Path(src)
-    if p.suffix == ".jsonl" and p.is_file():
-        rows = []
-        with p.open() as f:
-            for line in f:
-                if line.strip():
-                    rows.append(json.loads(line))
-                if len(rows) >= n:
-                    break
+def sample_rows(job, n: int = 2) -> tuple[list[dict], str]:
+    """Up to `n` rows of the job's prompt data (real rows when they load here), else synthetic rows, and why."""
+    from ..data.datasets import load_rows
+    from ..errors import HpcRlError
+
+    try:
+        rows = load_rows(job.data, job.seed)[:n]
         if rows:
-            return rows, True
-    return [{key: "3 3 3", "answer": "3"}, {key: "7 7", "answer": "7"}][:n], False
-
-
-def _shape(v: Any):
-    shape = getattr(v, "shape", None)
-    if shape is not None:
-        return tuple(shape)
-    if isinstance(v, (list, tuple)):
-        return (len(v),) + (_shape(v[0]) if v and isinstance(v[0], (list, tuple)) else ())
-    return None
-
-
-def _as_float(v: Any) -> float | None:
-    """A single float from a Python/numpy/torch scalar or 0-d array; None for anything with a shape."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, (int, float)):
-        return float(v)
-    shape = getattr(v, "shape", None)
-    if shape is not None and tuple(shape) == () and hasattr(v, "item"):
-        return float(v.item())
-    return None
+            return rows, ""
+        why = "the dataset is empty"
+    except HpcRlError as e:
+        why = str(e)
+    return [{"prompt": "3 3 3", "ground_truth": "3", "answer": "3"},
+            {"prompt": "7 7", "ground_truth": "7", "answer": "7"}][:n], why
 
 
 @check("job:reward", needs_job=True)
-def check_reward(ctx: Ctx) -> Result:
-    """The reward `pkg.mod:fn` imports and returns one finite float per sample on sample rows."""
+def check_reward(ctx: Ctx) -> list[Result]:
+    """The reward `pkg.mod:fn` imports and returns one finite float per sample on sample rows (the trainer's own
+    validation, hpc_rl.rewards.base.compute_rewards, run on the job's data)."""
+    from ..errors import RewardError
+    from ..rewards.base import compute_rewards, load_reward_fn
+
     rc = ctx.job.reward
-    spec = rc.function
-    if ":" not in spec:
-        return Result("job:reward", FAIL, f"reward.function: {spec!r} is not 'package.module:function'",
-                      "write it as e.g. hpc_rl.rewards.toy:repeat_digit")
-    mod_name, fn_name = spec.split(":", 1)
+    out = []
+    rows, why = sample_rows(ctx.job)
+    if why:
+        out.append(Result("job:data", FAIL if not why.startswith("the dataset") else WARN,
+                          why if why.startswith("data.") else f"data.source {ctx.job.data.source}: {why}",
+                          "fix data.source (prepare the data first: hpc-rl data ...); the reward was checked on "
+                          "synthetic rows"))
     try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except ImportError as e:
-        return Result("job:reward", FAIL, f"reward.function: cannot import {mod_name} ({e})",
-                      "make the module importable (installed, or on PYTHONPATH) and check the spelling")
-    except AttributeError:
-        return Result("job:reward", FAIL, f"reward.function: {mod_name} has no {fn_name}", "check the function name")
-    rows, real = sample_rows(ctx.job)
-    key = ctx.job.data.prompt_key
-    prompts = [str(r.get(key, "")) for r in rows]
-    completions = [" " + p.split()[0] if p.split() else "x" for p in prompts]
-    fields = [{k: v for k, v in r.items() if k != key} for r in rows]
+        fn = load_reward_fn(rc.function)
+    except RewardError as e:
+        return out + [Result("job:reward", FAIL, str(e), "make the module importable and check the spelling")]
+    prompts = [str(r.get("prompt", "")) for r in rows]
+    completions = [" " + (p.split()[0] if p.split() else "x") for p in prompts]
+    kind = "synthetic" if why else "data"
     try:
-        if getattr(fn, "batched", False):
-            batch = {k: [f.get(k) for f in fields] for k in fields[0]}
-            out = fn(prompts, completions, **batch, **rc.kwargs)
-            shape = _shape(out)
-            if shape != (len(rows),):
-                return Result("job:reward", FAIL, f"{spec} (batched) returned shape {shape} for {len(rows)} samples; "
-                              f"expected ({len(rows)},)", "return one float per sample, e.g. a list or 1-D array "
-                              "(squeeze a trailing dimension)")
-            values = [float(v) for v in out]
-        else:
-            values = []
-            for p, c, f in zip(prompts, completions, fields):
-                v = fn(p, c, **f, **rc.kwargs)
-                fv = _as_float(v)
-                if fv is None:
-                    return Result("job:reward", FAIL, f"{spec} returned {type(v).__name__} of shape {_shape(v)} "
-                                  "for one sample; expected one float", "return a float per sample "
-                                  "(e.g. float(x) or x.item(); squeeze a (B, 1) output)")
-                values.append(fv)
-    except TypeError as e:
-        status = FAIL if real else WARN
-        return Result("job:reward", status, f"{spec} could not be called on a {'data' if real else 'synthetic'} row ({e})",
-                      "the signature must be fn(prompt, completion, **row_fields) -> float")
-    except Exception as e:
-        return Result("job:reward", FAIL, f"{spec} raised {type(e).__name__}: {e} on a sample row",
-                      "fix the reward function so it handles any completion")
-    bad = [v for v in values if not math.isfinite(v)]
-    if bad:
-        return Result("job:reward", FAIL, f"{spec} returned non-finite values {bad}", "return finite floats")
-    return Result("job:reward", OK, f"{spec} -> {values} on {len(values)} {'data' if real else 'synthetic'} rows")
+        values = compute_rewards(fn, rc, prompts, completions, rows)
+    except RewardError as e:
+        # a synthetic row may lack a field the function needs: that is not proof of a bug
+        status = WARN if why and "missing" in str(e) else FAIL
+        return out + [Result("job:reward", status, f"on {len(rows)} {kind} rows: {e}",
+                             "return one finite float per sample: fn(prompt, completion, **row_fields) -> float "
+                             "(batched: a 1-D sequence of B floats)")]
+    return out + [Result("job:reward", OK, f"{rc.function} -> {[round(float(v), 4) for v in values]} on "
+                          f"{len(rows)} {kind} rows")]
 
 
 def _is_loopback(host: str) -> bool:

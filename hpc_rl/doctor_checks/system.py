@@ -92,10 +92,14 @@ def _multi_node(ctx: Ctx) -> bool:
 
 @check("hostname")
 def check_hostname(ctx: Ctx) -> Result:
-    """Multi-node jobs rendezvous by hostname: it must resolve to a non-loopback address."""
+    """Multi-node jobs rendezvous by hostname: it must resolve to a non-loopback address.
+
+    A FAIL needs a multi-node job and this node inside a Slurm allocation (SLURM_JOB_ID): on a login
+    node or for `hpc-rl run` (one machine) a loopback name is only a warning.
+    """
     host = ctx.hostname
     addrs = ctx.resolve(host)
-    bad = FAIL if _multi_node(ctx) else WARN
+    bad = FAIL if _multi_node(ctx) and ctx.environ.get("SLURM_JOB_ID") else WARN
     scope = "this multi-node job" if _multi_node(ctx) else "multi-node jobs"
     if not addrs:
         return Result("hostname", bad, f"hostname {host!r} does not resolve; {scope} cannot rendezvous by name",
