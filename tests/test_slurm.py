@@ -118,13 +118,22 @@ def test_cancel_ends_every_process_of_the_job(slurm_cluster, tmp_path):
 def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     """Trainer ranks on n1+n2 (gloo across namespaces), the rollout server on n3 reached by address,
     weights synced every step, checkpoints in the run dir, COMPLETED in `hpc-rl status`.
-    Learning criterion (shorter variant of the toy's): the mean reward of the last 5 steps is above
-    0.5 and above the first step's by at least 0.3 (chance is ~0.03; the local toy reaches 0.8)."""
+    Learning criterion (a looser variant of the toy's 0.8, for 4 ranks on 2 shared cores): the mean
+    reward of the last 10 of 40 steps is >= 0.4 and >= 0.3 above the first 5 steps' (chance ~0.03;
+    measured here: 0.07 -> 0.54)."""
     run = _submit("trainer.nodes=2", "rollout.nodes=1", out=tmp_path)
     job_id = read_json(run / "slurm.json")["job_id"]
-    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1800,
-                     f"job {job_id} to end", poll_s=5)
-    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    follow = subprocess.Popen([sys.executable, "-m", "hpc_rl.cli", "logs", str(run), "--role", "rollout", "--follow"],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1800,
+                         f"job {job_id} to end", poll_s=5)
+        assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+        followed, _ = follow.communicate(timeout=60)  # --follow ends by itself once the job has ended
+    finally:
+        follow.kill()
+    assert follow.returncode == 0
+    assert "==> logs/rollout-0.log <==" in followed and "trainer-0.log" not in followed
 
     master = read_json(run / "rendezvous" / "master.json")
     assert master["addr"] == NODE_ADDRS["n1"]
@@ -136,15 +145,39 @@ def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     assert "serving http://10.77.0.13:" in rollout_log
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    cfg = config.load(run / "job.yaml")
-    assert [r["step"] for r in rows][-1] == cfg.trainer.steps
-    assert all(r.get("weight_version", r["step"]) is not None for r in rows)
-    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
-    assert ckpts and f"step_{cfg.trainer.steps}" in ckpts or "step_40" in ckpts, ckpts
-    first, last5 = rows[0]["reward_mean"], [r["reward_mean"] for r in rows[-5:]]
-    assert sum(last5) / 5 > 0.5 and sum(last5) / 5 - first >= 0.3, [r["reward_mean"] for r in rows]
+    steps = config.load(run / "job.yaml").trainer.steps
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # Weights reached the server on n3 after every step.
+    assert all(r["sync_bytes"] > 0 for r in rows)
+    assert f"policy_version {steps}" in rollout_log and f"policy_version {steps}" in followed
+    assert (run / "checkpoints" / f"step_{steps}" / "hf" / "config.json").is_file()
+    assert (run / "checkpoints" / "latest").exists()
+    rewards = [r["reward_mean"] for r in rows]
+    first5, last10 = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
+    assert last10 >= 0.4 and last10 - first5 >= 0.3, rewards
 
     st = hpc_rl("status", "--runs-dir", str(tmp_path)).stdout
     assert run.name in st and "COMPLETED" in st
     trainer_logs = hpc_rl("logs", str(run), "--role", "trainer").stdout
     assert "trainer-0.log" in trainer_logs and "rollout-0.log" not in trainer_logs
+
+
+@pytest.mark.slow
+def test_hetjob_layout_runs_each_role_in_its_component(slurm_cluster, tmp_path):
+    """slurm.layout=hetjob: our own sbatch (submitit has no hetjob); the trainer component and the
+    rollout component each start their node's role, and the run completes (3 steps)."""
+    run = _submit("slurm.layout=hetjob", "trainer.nodes=1", "rollout.nodes=1", "trainer.steps=3",
+                  "checkpoint.every=0", out=tmp_path)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    assert read_json(run / "slurm.json")["layout"] == "hetjob"
+    assert "#SBATCH hetjob" in (run / "submitit" / f"{job_id}_submission.sh").read_text()
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900,
+                     f"heterogeneous job {job_id} to end", poll_s=5)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    trainer_out = (run / "submitit" / f"{job_id}_trainer_0_log.out").read_text()
+    rollout_out = (run / "submitit" / f"{job_id}_rollout_0_log.out").read_text()
+    assert "node 0/2 on " in trainer_out and ": trainer" in trainer_out
+    assert "node 1/2 on " in rollout_out and ": rollout" in rollout_out
+    host = rollout_out.split("node 1/2 on ")[1].split()[0]
+    assert f"serving http://{NODE_ADDRS[host]}:" in (run / "logs" / "rollout-0.log").read_text()
+    assert read_json(run / "rendezvous" / "done.json")["step"] == 3
