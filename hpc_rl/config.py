@@ -134,6 +134,10 @@ class TrainerConfig:
     max_nonfinite_steps: int = 3
     deepspeed: dict = field(default_factory=dict)
     dist_timeout_s: int = 600
+    # Every N steps, compare the rollout server's log-probs of one sample with the actor's after the
+    # weight push (0 = never); a mismatch beyond sync_tolerance stops the run.
+    check_sync_every: int = 0
+    sync_tolerance: float = 1e-3
 
 
 @dataclass
@@ -396,6 +400,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(t.critic_lr is None or t.critic_lr > 0, "trainer.critic_lr must be > 0")
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
+    need(t.check_sync_every >= 0 and t.sync_tolerance > 0,
+         "trainer.check_sync_every must be >= 0 and trainer.sync_tolerance > 0")
     samples = cfg.samples_per_step
     world = cfg.world_size
     need(t.mini_batch_size >= 1, "trainer.mini_batch_size must be >= 1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 
 def setup_logging(rank: int = 0, stream=None) -> logging.Logger:
@@ -18,6 +19,10 @@ def setup_logging(rank: int = 0, stream=None) -> logging.Logger:
     h.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(message)s", datefmt="%H:%M:%S"))
     log.addHandler(h)
     log.propagate = False
+    if not debug:
+        # torch.distributed deprecation notices fire on every ZeRO-3 collective: one per step per rank.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning, module="torch.distributed")
     # DeepSpeed and transformers are chatty at INFO; their warnings still show.
     for name in ("DeepSpeed", "deepspeed", "transformers", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.WARNING)

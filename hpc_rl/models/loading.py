@@ -37,13 +37,16 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     """AutoTokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts."""
     from transformers import AutoTokenizer
 
-    check_model_dir(path) if Path(path).exists() else None
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"model.path: cannot load a tokenizer from {path} ({str(e).splitlines()[0]}); "
                          "the folder needs tokenizer.json or tokenizer_config.json") from None
-    if tok.pad_token is None:
+    vocab = _model_vocab_size(path)
+    # Some tokenizer classes invent a default pad token (Qwen2: '<|endoftext|>') that the model's
+    # embedding does not have: an id past the vocabulary fails only later, inside the forward pass.
+    invented = vocab is not None and tok.pad_token_id is not None and tok.pad_token_id >= vocab
+    if tok.pad_token is None or invented:
         if tok.eos_token is None:
             raise ModelError(f"model.path: the tokenizer in {path} has neither pad_token nor eos_token; "
                              "set one in tokenizer_config.json")
@@ -53,6 +56,15 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
             log.warning("tokenizer in %s has no pad_token; using eos_token %r as pad_token", path, tok.eos_token)
     tok.padding_side = "left"
     return tok
+
+
+def _model_vocab_size(path) -> int | None:
+    try:
+        import json
+
+        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",

@@ -217,6 +217,9 @@ class Trainer:
         del sd
         t_sync = time.time() - t0
 
+        if cfg.trainer.check_sync_every and (step + 1) % cfg.trainer.check_sync_every == 0:
+            sync["max_diff"] = self._check_sync(payload["prompts"][0], payload["responses"][0])
+
         kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.ref else 0.0) / dist.world_size
         self.kl_ctl.update(kl_mean, cfg.samples_per_step)
         metrics = {k: all_reduce_scalar(v) / dist.world_size for k, v in stats.items()}
@@ -225,9 +228,29 @@ class Trainer:
         m = dict(payload["stats"])
         m.update(metrics)
         m.update({"kl": kl_mean, "kl_coef": self.kl_ctl.value, "forward_seconds": t_fwd, "update_seconds": t_update,
-                  "sync_seconds": t_sync, "sync_bytes": sync.get("bytes", 0), "step_seconds": time.time() - t_start,
+                  "sync_seconds": t_sync, "sync_bytes": sync.get("bytes", 0),
+                  "sync_max_diff": sync.get("max_diff"), "step_seconds": time.time() - t_start,
                   "policy_version": self.policy_version})
         return m
+
+    def _check_sync(self, prompt: list[int], response: list[int]) -> float | None:
+        """Max |log-prob difference| between the actor and the rollout servers on one sample (collective)."""
+        if not response:
+            return None
+        probe = pack([prompt], [response], self.tokenizer.pad_token_id).to(self.dist.device)
+        with torch.no_grad():
+            self.actor.eval()
+            mine, _ = policy_forward(self.actor, probe)
+        if not self.dist.is_main:
+            return None
+        theirs = self.client.logprobs([prompt + response], [len(prompt)])[0]
+        diff = float((mine[0, :len(response)].cpu() - torch.tensor(theirs)).abs().max())
+        if not math.isfinite(diff) or diff > self.cfg.trainer.sync_tolerance:
+            raise TrainingError(f"weight sync check failed at policy version {self.policy_version}: the rollout "
+                                f"servers' log-probs differ from the actor's by {diff:.2e} (> trainer.sync_tolerance "
+                                f"{self.cfg.trainer.sync_tolerance}); the servers did not load the pushed weights "
+                                "(see logs/rollout-*.log)")
+        return diff
 
     def _update(self, batch: Batch, old_lp, ref_lp, adv, returns, old_values) -> dict:
         """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped."""

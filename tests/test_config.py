@@ -1,0 +1,105 @@
+"""Job spec loading: unknown keys, wrong types, impossible values -> one-line errors naming the key."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpc_rl import config
+from hpc_rl.errors import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = {"model": {"tiny": {}}}
+
+
+def load(data, overrides=()):
+    return config.load_dict(yaml.safe_load(yaml.safe_dump(data)), list(overrides))
+
+
+@pytest.mark.parametrize("data,overrides,message", [
+    ({"modle": {}}, [], "modle: unknown key; did you mean 'model'?"),
+    ({**TOY, "trainer": {"stpes": 3}}, [], "trainer.stpes: unknown key; did you mean 'trainer.steps'?"),
+    ({**TOY, "algorithm": {"kl": {"cof": 1}}}, [], "algorithm.kl.cof: unknown key; did you mean 'algorithm.kl.coef'?"),
+    ({**TOY, "trainer": {"lr": "fast"}}, [], "trainer.lr: expected a number, got str 'fast'"),
+    ({**TOY, "trainer": {"steps": 2.5}}, [], "trainer.steps: expected an integer, got float 2.5"),
+    ({**TOY, "trainer": {"steps": True}}, [], "trainer.steps: expected an integer, got bool True"),
+    ({**TOY, "checkpoint": {"save_hf": "yes"}}, [], "checkpoint.save_hf: expected true/false"),
+    ({**TOY, "algorithm": {"name": "grpoo"}}, [], "algorithm.name: 'grpoo' is not valid"),
+    ({**TOY, "trainer": "fast"}, [], "trainer: expected a mapping of settings"),
+    ({**TOY, "algorithm": {"name": "grpo", "group_size": 1}}, [], "algorithm.group_size must be >= 2 for grpo"),
+    ({**TOY, "trainer": {"mini_batch_size": 48}}, [], "trainer.mini_batch_size (48) must divide the samples per step"),
+    ({**TOY, "trainer": {"mini_batch_size": 2, "prompts_per_step": 2}, "algorithm": {"group_size": 2},
+      "trainer_": None}, [], "trainer_: unknown key"),
+    ({**TOY, "trainer": {"procs_per_node": 3, "mini_batch_size": 64}}, [],
+     "must be divisible by the number of trainer ranks"),
+    ({**TOY, "trainer": {"local_devices": [0, 1]}, "rollout": {"local_devices": [1]}}, [],
+     "rollout.local_devices: GPUs ['1'] are also in trainer.local_devices"),
+    ({}, [], "model.path: no model given"),
+    ({**TOY, "rollout": {"max_model_len": 64}, "data": {"max_prompt_tokens": 64}}, [],
+     "rollout.max_model_len (64) must exceed data.max_prompt_tokens (64)"),
+    (TOY, ["trainer.lr"], "expected KEY=VALUE"),
+    (TOY, ["trainer.lr=-1"], "trainer.lr must be > 0"),
+    (TOY, ["trainer.lr.x=1"], "trainer.lr: expected a number, got dict"),
+    ({**TOY, "trainer": {"lr": 0.1}}, ["trainer.lr.x=1"], "trainer.lr is not a section"),
+    (TOY, ["=3"], "the key is empty"),
+])
+def test_bad_config_names_the_key(data, overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load(data, overrides)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load(TOY, ["trainer.lr=1e-6", "algorithm.kl.coef=0.01", "rollout.stop=[a, b]", "name=x"])
+    assert cfg.trainer.lr == 1e-6 and isinstance(cfg.trainer.lr, float)
+    assert cfg.algorithm.kl.coef == 0.01
+    assert cfg.rollout.stop == ["a", "b"]
+    assert cfg.name == "x"
+
+
+def test_yaml_string_float_is_accepted():
+    # PyYAML reads 1e-6 (no dot) as a string; a float field must still take it.
+    cfg = config.load_dict({"model": {"tiny": {}}, "trainer": {"lr": "1e-6"}})
+    assert cfg.trainer.lr == 1e-6
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load(TOY, ["trainer.steps=7"])
+    p = tmp_path / "job.yaml"
+    p.write_text(config.dump(cfg))
+    again = config.load(p)
+    assert config.to_dict(again) == config.to_dict(cfg)
+
+
+def test_jobs_in_repo_load():
+    for job in sorted((REPO / "jobs").glob("*.yaml")):
+        if job.name.startswith("sweep"):
+            continue
+        config.load(job)
+
+
+def test_invalid_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("trainer: {lr: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: line \d+: invalid YAML"):
+        config.load(bad)
+    with pytest.raises(ConfigError, match="job spec not found"):
+        config.load(tmp_path / "nope.yaml")
+    notutf = tmp_path / "latin1.yaml"
+    notutf.write_bytes(b"name: caf\xe9\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        config.load(notutf)
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("model: {tiny: {}}\ntrainer: {stpes: 3}\n")
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(job)], capture_output=True, text=True,
+                       cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "hpc-rl: error: trainer.stpes: unknown key; did you mean 'trainer.steps'?"
+    assert "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
