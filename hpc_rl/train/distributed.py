@@ -53,11 +53,23 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
         backend = "gloo"
         # Ranks share the machine's cores with each other and the rollout server.
         torch.set_num_threads(int(os.environ.get("HPC_RL_TRAINER_THREADS", "1")))
+    _skip_shm_comm_op()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     deepspeed.init_distributed(dist_backend=backend, timeout=datetime.timedelta(seconds=cfg.trainer.dist_timeout_s),
                                verbose=False)
     return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=device, backend=backend)
+
+
+def _skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-building its CPU shared-memory all-reduce op at start-up.
+
+    Only DeepSpeed-inference all-reduce uses it; building it costs minutes on a small CPU, and a rank
+    killed during the build leaves a lock file in ~/.cache/torch_extensions that hangs every later run.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def barrier() -> None:
