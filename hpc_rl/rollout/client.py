@@ -82,12 +82,16 @@ class RolloutClient:
     """Talks to every rollout server of a run; see the module doc of hpc_rl.rollout for the API."""
 
     def __init__(self, run: RunDir, token: str, timeout_s: float = 300.0, retries: int = 2,
-                 weight_sync: str = "auto"):
+                 weight_sync: str = "auto", trainer_device: str = "cpu"):
         self.run = run
         self.token = token
         self.timeout_s = timeout_s
         self.retries = retries
         self.weight_sync = weight_sync
+        # "cpu" or "cuda": the collective's backend (gloo/NCCL) and where rank 0 stages each bucket.
+        self.trainer_device = trainer_device
+        self._transport: str | None = None  # weight_sync resolved ("auto" decided on the first push)
+        self._sender = None  # CollectiveSender: one group for the whole run, reused across pushes
         self.servers: dict[int, Server] = {}
         self.pushed_version: int | None = None
         self.expected = 0
@@ -97,7 +101,13 @@ class RolloutClient:
     def from_run_dir(cls, run: RunDir, cfg) -> "RolloutClient":
         """A client for the run's servers, with timeouts/retries/weight transport from cfg.rollout."""
         r = cfg.rollout
-        return cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries, weight_sync=r.weight_sync)
+        dev = cfg.trainer.device
+        if dev == "auto":
+            import torch
+
+            dev = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries, weight_sync=r.weight_sync,
+                   trainer_device=dev)
 
     # ------------------------------------------------------------------ discovery
 
@@ -278,17 +288,27 @@ class RolloutClient:
 
     def push_weights(self, named_tensors: Iterable, version: int) -> dict:
         """Send the actor's HF state dict to every healthy server; returns {"seconds", "bytes", "transport"}."""
-        transport = self.weight_sync
-        if transport == "auto":
-            transport = "http"
-        if transport == "collective":
-            raise RolloutError("rollout.weight_sync: 'collective' is not available with this rollout engine yet; "
-                               "set rollout.weight_sync to http or file")
         servers = self._healthy()
         if not servers:
             raise RolloutError(f"push_weights v{version}: no healthy rollout server; check RUN/logs/rollout-K.log")
+        if self._transport is None:
+            self._transport = self._resolve_transport(servers)
+        transport = self._transport
         t0 = time.perf_counter()
-        if transport == "http":
+        if transport == "collective":
+            named = list(named_tensors)
+            try:
+                nbytes = self._push_collective(named, version, servers)
+            except RolloutError as e:
+                if not self._drop_dead(servers):
+                    raise  # every server is up: the error is real (wrong names, shapes, a timeout)
+                # A server died mid-run: its group is broken. This version goes over HTTP to the living
+                # servers; the next push forms a new group without the dead one.
+                log.warning("push_weights v%d: collective failed (%s); sending this version over http", version, e)
+                self._close_sender()
+                transport = "http"
+                nbytes = self._push_http(named, version, self._healthy())
+        elif transport == "http":
             nbytes = self._push_http(named_tensors, version, servers)
         else:
             nbytes = self._push_file(named_tensors, version, servers)
@@ -296,6 +316,64 @@ class RolloutClient:
         dt = time.perf_counter() - t0
         log.debug("push_weights v%d: %d bytes over %s in %.2fs", version, nbytes, transport, dt)
         return {"seconds": dt, "bytes": nbytes, "transport": transport}
+
+    def _collective_info(self, srv: Server) -> dict | None:
+        try:
+            r = srv.session.get(srv.url + "/collective/info", timeout=HEALTH_TIMEOUT_S)
+        except requests.RequestException:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def _resolve_transport(self, servers: list[Server]) -> str:
+        """weight_sync, with "auto" -> collective when every server offers it on the trainer's device kind."""
+        if self.weight_sync in ("http", "file"):
+            return self.weight_sync
+        kind = "cuda" if str(self.trainer_device).startswith("cuda") else "cpu"
+        problems = []
+        for srv in servers:
+            info = self._collective_info(srv)
+            if info is None:
+                problems.append(f"{srv.url} does not offer /collective")
+                continue
+            their = "cuda" if str(info.get("device", "cpu")).startswith("cuda") else "cpu"
+            if their != kind:
+                problems.append(f"{srv.url} serves on {their} but the trainer runs on {kind}")
+        if not problems:
+            log.info("weight sync: collective (%s) to %d server(s)", "nccl" if kind == "cuda" else "gloo",
+                     len(servers))
+            return "collective"
+        if self.weight_sync == "collective":
+            raise RolloutError(f"rollout.weight_sync: collective is not possible ({'; '.join(problems)}); set "
+                               "rollout.weight_sync to auto, http or file")
+        log.info("weight sync: http (rollout.weight_sync=auto; %s)", "; ".join(problems))
+        return "http"
+
+    def _push_collective(self, named: list, version: int, servers: list[Server]) -> int:
+        from .collective import CollectiveSender
+
+        urls = [s.url for s in servers]
+        if self._sender is not None and self._sender.servers != urls:
+            self._close_sender()  # the set of servers changed: form a new group
+        if self._sender is None:
+            sender = CollectiveSender(urls, self.token, device=self.trainer_device, timeout_s=self.timeout_s)
+            sender.connect(specs={n: (tuple(t.shape), t.dtype) for n, t in named})
+            self._sender = sender
+        self._sender.broadcast(named, version)
+        return self._sender.last_bytes
+
+    def _drop_dead(self, servers: list[Server]) -> bool:
+        """Mark servers that no longer answer /health as dead; True when there was one."""
+        dead = False
+        for srv in servers:
+            if self._health(srv) is None:
+                self._mark_dead(srv, srv.last_error or "no answer to /health")
+                dead = True
+        return dead
+
+    def _close_sender(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
 
     def _post_all(self, servers: list[Server], send) -> None:
         """Run send(server) on every server concurrently; a failing server is taken out of rotation."""
@@ -360,6 +438,8 @@ class RolloutClient:
         return nbytes
 
     def close(self) -> None:
+        """Leave the weight-sync group (servers are told to leave too) and close the HTTP sessions."""
+        self._close_sender()
         for s in self.servers.values():
             s.session.close()
 

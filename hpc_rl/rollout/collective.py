@@ -7,7 +7,7 @@ cannot span separate jobs). Rank 0 is the sender; each server's workers take ran
 receive and answers at once), broadcasts a header then one flat buffer per bucket, and polls until
 every server has loaded the version.
 
-Server side: `register_collective_routes(app, engine, state)` adds the /collective/* endpoints. An engine
+Server side: `register_server_routes(service)` adds the /collective/* endpoints to the rollout server. An engine
 with `collective_join/collective_receive/collective_close` (VLLMEngine: its workers join) is used as is;
 any other engine gets a `LocalCollective` (this process joins, then `engine.load_weights`).
 """
@@ -24,7 +24,6 @@ from datetime import timedelta
 from typing import Any, Iterable, Iterator
 
 import torch
-from fastapi import HTTPException, Request  # module level: FastAPI resolves the handlers' annotations here
 
 from ..errors import RolloutError
 
@@ -312,95 +311,85 @@ def start_collective_receive(target, rs: _ReceiverState, master_addr: str, maste
                                           float(timeout_s)), ok)
 
 
-def register_collective_routes(app, engine, state) -> None:
-    """Add /collective/{info,join,update,status,close} to a FastAPI app; `state.token` is the run's token.
+def _need(d: dict, key: str):
+    if key not in d:
+        raise CollectiveError(f"weight sync: {key}: missing from the request body")
+    return d[key]
 
-    Requests carry `Authorization: Bearer TOKEN`. join and update answer at once; the work runs in a
-    thread and GET /collective/status reports {joined, busy, error, version, seconds}.
+
+def register_server_routes(service) -> None:
+    """Add /collective/{info,join,update,status,close} to the rollout server (server.RolloutService).
+
+    The server checks the token and size limits and maps CollectiveError to a one-line 400. join and
+    update answer at once; the work runs in a thread and GET /collective/status reports
+    {joined, busy, error, version, seconds}. An update loads while holding `service.engine_lock` (no
+    generation sees half-updated weights) and sets the policy version under the same lock.
     """
+    engine = service.engine
     target = engine if hasattr(engine, "collective_join") else LocalCollective(engine, device=_engine_device(engine))
     rs = _ReceiverState(target)
-    token = getattr(state, "token", None)
-    if token is None and isinstance(state, dict):
-        token = state.get("token")
 
-    def auth(request: Request) -> None:
-        if token and request.headers.get("authorization") != f"Bearer {token}":
-            raise HTTPException(status_code=401, detail="missing or wrong token; send Authorization: Bearer <RUN/token>")
+    def body_of(body) -> dict:
+        if not isinstance(body, dict):
+            raise CollectiveError("weight sync: body: expected a JSON object")
+        return body
 
-    async def body_of(request: Request) -> dict:
-        try:
-            data = await request.json()
-        except Exception:
-            raise HTTPException(status_code=400, detail="body: expected a JSON object") from None
-        if not isinstance(data, dict):
-            raise HTTPException(status_code=400, detail="body: expected a JSON object")
-        return data
-
-    @app.get("/collective/info")
-    def info(request: Request):
-        auth(request)
+    def info(_body) -> dict:
         specs = target.param_specs()
         dtypes = sorted({dtype_name(d) for _, d in specs.values()})
         return {"workers": target.collective_workers(), "dtype": dtypes[0] if len(dtypes) == 1 else None,
                 "device": _engine_device(engine)}
 
-    @app.post("/collective/join")
-    async def join(request: Request):
-        auth(request)
-        d = await body_of(request)
-        try:
-            with rs.lock:
-                if rs.busy:
-                    raise CollectiveError("weight sync: a join or update is already running")
-            start_collective_receive(target, rs,
-                                     str(d["master_addr"]), int(d["master_port"]), int(d["world_size"]),
-                                     int(d["rank"]), d.get("specs"), str(d.get("backend", "gloo")),
-                                     float(d.get("timeout_s", 600.0)))
-        except KeyError as e:
-            raise HTTPException(status_code=400, detail=f"{e.args[0]}: missing") from None
-        except CollectiveError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from None
+    def join(body) -> dict:
+        d = body_of(body)
+        args = (str(_need(d, "master_addr")), int(_need(d, "master_port")), int(_need(d, "world_size")),
+                int(_need(d, "rank")))
+        with rs.lock:
+            if rs.busy:
+                raise CollectiveError("weight sync: a join or update is already running")
+        if rs.joined:  # a new sender (e.g. a restarted trainer): leave the old group first
+            target.collective_close()
+            rs.joined = False
+        start_collective_receive(target, rs, *args, d.get("specs"), str(d.get("backend", "gloo")),
+                                 float(d.get("timeout_s", 600.0)))
         return {"ok": True}
 
-    @app.post("/collective/update")
-    async def update(request: Request):
-        auth(request)
-        d = await body_of(request)
-        try:
-            version, plan = int(d["version"]), d["plan"]
-            check_plan(plan, engine.param_specs())
-            with rs.lock:
-                if not rs.joined:
-                    raise CollectiveError("weight sync: this server has not joined a group; POST /collective/join first")
-                if rs.busy:
-                    raise CollectiveError("weight sync: a join or update is already running")
-        except KeyError as e:
-            raise HTTPException(status_code=400, detail=f"{e.args[0]}: missing") from None
-        except CollectiveError as e:
-            raise HTTPException(status_code=400, detail=str(e)) from None
+    def update(body) -> dict:
+        d = body_of(body)
+        version, plan = int(_need(d, "version")), _need(d, "plan")
+        check_plan(plan, engine.param_specs())
+        with rs.lock:
+            if not rs.joined:
+                raise CollectiveError("weight sync: this server has not joined a group; POST /collective/join first")
+            if rs.busy:
+                raise CollectiveError("weight sync: a join or update is already running")
+
+        def receive() -> float:
+            # Running generations finish first; none starts until the new weights and version are in.
+            with service.engine_lock:
+                secs = target.collective_receive(version, plan)
+                service.policy_version = version
+            service.count("weight_updates")
+            log.info("weights: loaded version %d over the collective in %.3fs", version, secs)
+            return secs
 
         def ok(secs):
             rs.version, rs.seconds = version, secs
-            setter = getattr(state, "set_weight_version", None)
-            if callable(setter):
-                setter(version)
 
-        rs.run(lambda: target.collective_receive(version, plan), ok)
+        rs.run(receive, ok)
         return {"ok": True}
 
-    @app.get("/collective/status")
-    def status(request: Request):
-        auth(request)
-        return rs.snapshot()
-
-    @app.post("/collective/close")
-    def close(request: Request):
-        auth(request)
+    def close(_body) -> dict:
         target.collective_close()
         with rs.lock:
             rs.joined = False
         return {"ok": True}
+
+    service.add_route("GET", "/collective/info", info)
+    service.add_route("POST", "/collective/join", join)
+    service.add_route("POST", "/collective/update", update)
+    service.add_route("GET", "/collective/status", lambda _b: rs.snapshot())
+    service.add_route("POST", "/collective/close", close)
 
 
 def _engine_device(engine) -> str:
@@ -426,19 +415,24 @@ class CollectiveSender:
         self.pg = None
         self.wire_dtype: list[str | None] = []
         self.last_seconds: dict[str, float] = {}
+        self._session = None
+        self.last_bytes = 0
 
     # ---- HTTP helpers
     def _req(self, method: str, url: str, body: dict | None = None) -> dict:
         import requests
 
+        if self._session is None:
+            self._session = requests.Session()
+            self._session.trust_env = False  # never route cluster-internal traffic through a user's proxy
+            self._session.headers["Authorization"] = f"Bearer {self.token}"
         try:
-            r = requests.request(method, url, json=body, timeout=60,
-                                 headers={"Authorization": f"Bearer {self.token}"})
+            r = self._session.request(method, url, json=body, timeout=60)
         except requests.RequestException as e:
             raise CollectiveError(f"weight sync: {url} unreachable ({type(e).__name__}); is the rollout server up?") from None
         if r.status_code != 200:
             try:
-                detail = r.json().get("detail", r.text)
+                detail = r.json().get("error", r.text)
             except ValueError:
                 detail = r.text
             raise CollectiveError(f"weight sync: {url} answered {r.status_code}: {str(detail)[:300]}")
@@ -515,13 +509,14 @@ class CollectiveSender:
         sts = self._wait_all(f"load weights version {version}",
                              lambda st: st.get("version") == int(version) and not st.get("busy"))
         self.last_seconds = {s: st.get("seconds") for s, st in zip(self.servers, sts)}
+        self.last_bytes = plan_bytes(plan)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         """Tell the servers to leave the group, then leave it."""
         for s in self.servers:
             try:
-                self._req("POST", f"{s}/collective/close")
+                self._req("POST", f"{s}/collective/close", {})
             except CollectiveError as e:
                 log.warning("%s", e)
         pg, self.pg = self.pg, None
@@ -530,3 +525,6 @@ class CollectiveSender:
                 pg.shutdown()
             except Exception:
                 pass
+        if self._session is not None:
+            self._session.close()
+            self._session = None

@@ -130,3 +130,56 @@ def outputs_to_json(outputs: list[list[SampleOut]]) -> list[list[dict]]:
 def outputs_from_json(data: list[list[dict]]) -> list[list[SampleOut]]:
     return [[SampleOut(token_ids=s["token_ids"], logprobs=s["logprobs"], finish_reason=s["finish_reason"])
              for s in row] for row in data]
+
+
+# --------------------------------------------------------------------------- OpenAI-compatible /v1/completions
+
+# Fields OpenAI clients commonly send that change nothing here; anything else unknown is refused by name.
+_COMPLETIONS_IGNORED = {"model", "user", "stream", "echo"}
+_COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "logprobs"}
+
+
+def parse_completions(body: Any, tokenize, vocab: int | None, max_model_len: int):
+    """Validate a /v1/completions body; returns (prompt token lists, SamplingParams, want_logprobs).
+
+    `prompt` is a string, a list of strings, a list of token ids, or a list of token-id lists;
+    `tokenize(str) -> list[int]` turns text into ids. logprobs: null (none) or 0 (the sampled
+    tokens' raw log-probs); top-k alternatives (logprobs > 0) are not served.
+    """
+    body = _obj(body)
+    extra = sorted(set(body) - _COMPLETIONS_FIELDS - _COMPLETIONS_IGNORED)
+    if extra:
+        raise BadRequest(f"{extra[0]}: not supported by this server; valid fields are "
+                         f"{', '.join(sorted(_COMPLETIONS_FIELDS))}")
+    if body.get("stream"):
+        raise BadRequest("stream: streaming is not supported; send stream: false")
+    if body.get("echo"):
+        raise BadRequest("echo: not supported; send echo: false")
+    if "prompt" not in body:
+        raise BadRequest("prompt: missing; send a string, a list of strings or a list of token ids")
+    p = body["prompt"]
+    if isinstance(p, str):
+        rows: Any = [tokenize(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        rows = [tokenize(x) for x in p]
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        rows = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        rows = p
+    else:
+        raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists")
+    if any(not r for r in rows):
+        raise BadRequest("prompt: a prompt tokenizes to no tokens; send non-empty text")
+    gen = {"prompt_token_ids": rows, "max_new_tokens": body.get("max_tokens", 16), "n": body.get("n", 1),
+           "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0), "seed": body.get("seed")}
+    try:
+        prompts, params = parse_generate(gen, vocab, max_model_len)
+    except BadRequest as e:  # name the OpenAI field, not the internal one
+        raise BadRequest(str(e).replace("max_new_tokens", "max_tokens").replace("prompt_token_ids", "prompt")) from None
+    lp = body.get("logprobs")
+    if lp is not None:
+        _int(lp, "logprobs", 0)
+        if lp > 0:
+            raise BadRequest(f"logprobs: {lp} top alternatives are not served; send 0 for the sampled tokens' "
+                             "log-probs or null")
+    return prompts, params, lp is not None

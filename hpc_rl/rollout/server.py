@@ -23,6 +23,7 @@ import struct
 import sys
 import threading
 import time
+import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
@@ -47,8 +48,12 @@ DONE_POLL_S = 2.0
 class RolloutService:
     """Engine + policy version + staged weight buckets + counters; every engine call holds one lock."""
 
-    def __init__(self, engine: Engine, run: RunDir, model_path: str, max_model_len: int, vocab: int | None):
+    def __init__(self, engine: Engine, run: RunDir, model_path: str, max_model_len: int, vocab: int | None,
+                 trust_remote_code: bool = False):
         self.engine = engine
+        self.trust_remote_code = trust_remote_code
+        self._tokenizer = None  # loaded on the first /v1/completions (the trainer sends token ids)
+        self._tok_lock = threading.Lock()
         self.run = run
         self.model_path = model_path
         self.max_model_len = max_model_len
@@ -106,6 +111,43 @@ class RolloutService:
             self._counters["last_batch_tokens_per_s"] = round(ntok / dt, 2) if dt > 0 else 0.0
         log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
         return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
+
+    def tokenizer(self):
+        with self._tok_lock:
+            if self._tokenizer is None:
+                from ..models import load_tokenizer
+
+                self._tokenizer = load_tokenizer(self.model_path, self.trust_remote_code)
+            return self._tokenizer
+
+    def completions(self, body) -> dict:
+        """OpenAI-compatible text completion (non-streaming) for people poking a running server."""
+        tok = self.tokenizer()
+        prompts, params, want_lp = protocol.parse_completions(
+            body, lambda text: tok(text, add_special_tokens=False)["input_ids"], self.vocab, self.max_model_len)
+        if tok.eos_token_id is not None:
+            params.stop_token_ids = [tok.eos_token_id]
+        with self.engine_lock:
+            outputs = self.engine.generate(prompts, params)
+            version = self.policy_version
+        choices, ntok = [], 0
+        for row in outputs:
+            for s in row:
+                ntok += len(s.token_ids)
+                c = {"index": len(choices), "text": tok.decode(s.token_ids, skip_special_tokens=True),
+                     "finish_reason": s.finish_reason, "logprobs": None}
+                if want_lp:
+                    pieces = [tok.decode([t]) for t in s.token_ids]
+                    offsets = [sum(len(x) for x in pieces[:i]) for i in range(len(pieces))]
+                    c["logprobs"] = {"tokens": pieces, "token_logprobs": s.logprobs, "top_logprobs": None,
+                                     "text_offset": offsets}
+                choices.append(c)
+        self.count("generate_requests")
+        self.count("generated_tokens", ntok)
+        nprompt = sum(len(p) for p in prompts)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_path, "choices": choices, "policy_version": version,
+                "usage": {"prompt_tokens": nprompt, "completion_tokens": ntok, "total_tokens": nprompt + ntok}}
 
     def logprobs(self, body) -> dict:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
@@ -216,10 +258,12 @@ class Handler(BaseHTTPRequestHandler):
         """True when a body is still on the wire: answering must then close the connection."""
         return not self._body_read and self.headers.get("Content-Length", "0") not in ("", "0")
 
-    def _json_body(self):
+    def _json_body(self, empty_ok: bool = False):
         raw = self._read_body(protocol.MAX_JSON_BYTES)
         if raw is None:
             return None, False
+        if empty_ok and not raw:
+            return None, True
         try:
             return json.loads(raw), True
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -246,6 +290,10 @@ class Handler(BaseHTTPRequestHandler):
                 body, ok = self._json_body()
                 if ok:
                     self._send(200, svc.generate(body))
+            elif route == ("POST", "/v1/completions"):
+                body, ok = self._json_body()
+                if ok:
+                    self._send(200, svc.completions(body))
             elif route == ("POST", "/logprobs"):
                 body, ok = self._json_body()
                 if ok:
@@ -261,7 +309,7 @@ class Handler(BaseHTTPRequestHandler):
                 if data is not None:
                     self._send(200, svc.push_bucket(data, version, bucket, final))
             elif route in svc.routes:
-                body, ok = self._json_body() if method == "POST" else (None, True)
+                body, ok = self._json_body(empty_ok=True) if method == "POST" else (None, True)
                 if ok:
                     self._send(200, svc.routes[route](body))
             else:
@@ -416,7 +464,7 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = make_engine(cfg, device)
     service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
-                             _model_vocab(str(cfg.model.path)))
+                             _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
     _register_plugins(service)
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]

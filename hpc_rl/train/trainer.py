@@ -346,6 +346,7 @@ class Trainer:
             if (every and self.step % every == 0) or (every and self.step == total):
                 self.save_checkpoint()
         if dist.is_main:
+            self.client.close()  # leaves the weight-sync group before the servers see done.json
             write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
             self.metrics.close()
 
