@@ -89,7 +89,8 @@ fi
 
 PYBIN="$PREFIX/bin/python"
 PIP=("$PYBIN" -m pip)
-LOGDIR="$REPO/build/install-logs"
+# One log folder per env, so that installs into different prefixes never mix their logs.
+LOGDIR="$REPO/build/install-logs/$(printf '%s' "$PREFIX" | tr -c 'A-Za-z0-9._-' _)"
 TOTAL=6
 START_TS=$(date +%s)
 
