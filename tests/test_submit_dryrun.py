@@ -193,3 +193,21 @@ def test_prepare_node_env_spec_wins_and_node_values_are_fresh(monkeypatch):
     assert os.environ["GLOO_SOCKET_IFNAME"] == ifname != "wrong-from-login-node"
     assert cenv.interfaces()[ifname] == addr
     assert os.environ["NCCL_DEBUG"] == "WARN" and os.environ["MY_VAR"] == "7"
+
+
+def test_debug_logs_the_node_settings(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setenv("HPC_RL_DEBUG", "1")
+    for k in ("HPC_RL_NODE_ADDR", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+              "HPC_RL_NCCL_TIMEOUT_S", "NCCL_IB_DISABLE"):
+        monkeypatch.delenv(k, raising=False)
+    logger = logging.getLogger("hpc_rl")
+    logger.addHandler(caplog.handler)  # the project logger may not propagate to the root
+    monkeypatch.setattr(logger, "level", logging.DEBUG)
+    try:
+        cenv.prepare_node_env(_cfg(env={"nccl": {"ib_disable": True}}))
+    finally:
+        logger.removeHandler(caplog.handler)
+    text = caplog.text
+    assert "NCCL_DEBUG=INFO" in text and "NCCL_IB_DISABLE=1" in text and "GLOO_SOCKET_IFNAME=" in text

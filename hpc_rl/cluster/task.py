@@ -23,10 +23,9 @@ log = logging.getLogger("hpc_rl")
 def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     """Prepare this node's environment and run its role; returns launch.run_node's exit code."""
     from .. import config
+    from ..logs import setup_logging
     from .env import prepare_node_env
     from .layout import role_of
-
-    from ..logs import setup_logging
 
     setup_logging(rank=0)
     run = RunDir(Path(run_dir))
