@@ -105,14 +105,14 @@ def executor_params(cfg: JobConfig, run_dir: str | Path) -> dict:
 
 
 def _additional(cfg: JobConfig) -> dict:
+    """`slurm.additional` as sbatch options ({reservation: x} -> --reservation=x; true -> a bare flag)."""
     out = {}
     for k, v in cfg.slurm.additional.items():
         key = str(k).lstrip("-")
-        if not key or v is None or v is False:
-            if not key:
-                raise ConfigError("slurm.additional: an empty option name; use e.g. {reservation: myres}")
-            continue
-        out[key] = v
+        if not key:
+            raise ConfigError("slurm.additional: an empty option name; use e.g. {reservation: myres}")
+        if v is not None and v is not False:  # null/false: leave the option out
+            out[key] = v
     return out
 
 
