@@ -33,10 +33,11 @@ def _route_address() -> str | None:
 
 
 def advertise_host() -> str:
-    """An address other nodes can reach: $HPC_RL_ADVERTISE_HOST, the hostname's IP, or the routed one."""
-    env = os.environ.get("HPC_RL_ADVERTISE_HOST")
-    if env:
-        return env
+    """An address other nodes can reach: $HPC_RL_ADVERTISE_HOST, the node address the Slurm task found
+    ($HPC_RL_NODE_ADDR), the hostname's IP, or the routed one."""
+    for var in ("HPC_RL_ADVERTISE_HOST", "HPC_RL_NODE_ADDR"):
+        if os.environ.get(var):
+            return os.environ[var]
     try:
         addr = socket.gethostbyname(socket.gethostname())
         if not _is_loopback(addr):

@@ -47,12 +47,12 @@ def _down(env: dict) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A running 3-node cluster; SLURM_CONF points at it for the session. HPC_RL_REQUIRE_SLURM=1 (CI)
-    turns a missing prerequisite into a failure instead of a skip."""
+    """A running 3-node cluster; SLURM_CONF points at it for the session. On CI (CI=true) or with
+    HPC_RL_REQUIRE_SLURM=1 a missing prerequisite fails the tests instead of skipping them."""
     reason = unavailable()
     if reason:
-        if os.environ.get("HPC_RL_REQUIRE_SLURM") == "1":
-            pytest.fail(f"HPC_RL_REQUIRE_SLURM=1 but {reason}")
+        if os.environ.get("HPC_RL_REQUIRE_SLURM") == "1" or os.environ.get("CI") == "true":
+            pytest.fail(f"the Slurm tests must run here (CI / HPC_RL_REQUIRE_SLURM=1) but {reason}")
         pytest.skip(reason)
     state = Path(os.environ.get("HPC_RL_SLURM_STATE", "/tmp/hpc-rl-slurm"))
     env = {**os.environ, "HPC_RL_SLURM_STATE": str(state)}
