@@ -75,6 +75,30 @@ def test_push_weights_reaches_both_servers(pair):
     c.close()
 
 
+def test_collective_push_survives_a_killed_server(pair, caplog):
+    c = client_for(pair.run, weight_sync="collective")
+    c.wait_ready(2, timeout_s=30)
+    m = load_causal_lm(pair.model_dir)
+    assert c.push_weights(list(m.state_dict().items()), version=2)["transport"] == "collective"
+    for k in range(2):
+        assert c.servers[k].session.get(c.servers[k].url + "/version", timeout=5).json()["policy_version"] == 2
+    pair.procs[1].send_signal(signal.SIGKILL)
+    pair.procs[1].wait(10)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="hpc_rl"):
+        stats = c.push_weights(list(m.state_dict().items()), version=3)
+    # the broken group is dropped at once (no wait for its timeout); this version goes over http
+    assert stats["transport"] == "http" and time.monotonic() - t0 < 20
+    assert any("collective failed" in r.getMessage() for r in caplog.records)
+    assert c.servers[0].session.get(c.servers[0].url + "/version", timeout=5).json()["policy_version"] == 3
+    assert not c.servers[1].healthy
+    # the next push forms a new group with the living server only
+    assert c.push_weights(list(m.state_dict().items()), version=4)["transport"] == "collective"
+    assert c._sender.servers == [c.servers[0].url]
+    assert c.generate(PROMPTS, PARAMS, step=4).policy_versions == [4] * 6
+    c.close()
+
+
 def test_killed_server_work_moves_to_the_other(pair, caplog):
     pair.procs[1].send_signal(signal.SIGKILL)
     pair.procs[1].wait(10)

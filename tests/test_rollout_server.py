@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import save
 
 from hpc_rl.config import TinyModelConfig
+from hpc_rl.errors import RolloutError
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
 from hpc_rl.rollout.client import RolloutClient
@@ -123,7 +124,9 @@ def test_logprobs_equal_local_model(srv):
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POST", "/generate"),
              ("POST", "/logprobs"), ("POST", "/weights?version=99&bucket=0&final=1"),
-             ("POST", "/weights/load_file")]
+             ("POST", "/weights/load_file"), ("POST", "/v1/completions"), ("GET", "/collective/info"),
+             ("POST", "/collective/join"), ("POST", "/collective/update"), ("GET", "/collective/status"),
+             ("POST", "/collective/wait"), ("POST", "/collective/close")]
 
 
 def test_auth_required_everywhere(srv):
@@ -198,6 +201,60 @@ def test_weight_push_http_and_file(srv):
     for g, w in zip(served_logprobs(srv), want):
         assert g == pytest.approx(w, abs=TOL)
     client.close()
+
+
+def test_openai_completions(srv):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(srv.model_dir)
+    body = {"model": "whatever", "prompt": "3 + 3 =", "max_tokens": 6, "n": 3, "seed": 5, "logprobs": 0}
+    r = srv.s.post(srv.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["object"] == "text_completion" and len(res["choices"]) == 3
+    assert [c["index"] for c in res["choices"]] == [0, 1, 2]
+    prompt_ids = tok("3 + 3 =", add_special_tokens=False)["input_ids"]
+    assert res["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert res["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in res["choices"])
+    # token ids as the prompt give the same samples (same seed); the log-probs are the sampled tokens' own
+    r2 = srv.s.post(srv.url + "/v1/completions", json={**body, "prompt": prompt_ids}, timeout=30).json()
+    assert [c["text"] for c in r2["choices"]] == [c["text"] for c in res["choices"]]
+    c = res["choices"][0]
+    assert c["finish_reason"] in ("stop", "length") and len(c["logprobs"]["token_logprobs"]) <= 6
+    assert all(math.isfinite(x) and x <= 0 for x in c["logprobs"]["token_logprobs"])
+    assert c["logprobs"]["text_offset"][0] == 0
+    r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "logprobs": 5}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"].startswith("logprobs")
+    r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "max_tokens": 40}, timeout=10)
+    assert r.status_code == 400 and "max_tokens 40" in r.json()["error"]
+    r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "best_of": 2}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"].startswith("best_of")
+
+
+def test_weight_push_collective(srv):
+    """The HF engine receives in the server process (LocalCollective); auto picks collective on CPU."""
+    client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=60, retries=0, weight_sync="auto")
+    for version, seed in ((3, 3), (4, 4)):
+        m = perturbed(srv.model_dir, seed)
+        stats = client.push_weights(list(m.state_dict().items()), version=version)
+        # fp32 served, fp32 on the wire: every parameter's bytes
+        assert stats["transport"] == "collective" and stats["bytes"] == sum(
+            t.numel() * 4 for t in m.state_dict().values())
+        assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == version
+        for g, w in zip(served_logprobs(srv), local_logprobs(m)):
+            assert g == pytest.approx(w, abs=TOL)
+    group = client._sender
+    assert group is not None and group.pg is not None  # one group, reused for both versions
+    st = srv.s.get(srv.url + "/collective/status", timeout=5).json()
+    assert st["joined"] and st["version"] == 4 and not st["busy"] and st["error"] is None
+    # a tensor the model does not have is refused before anything is broadcast; the weights stay
+    before = served_logprobs(srv)
+    with pytest.raises(RolloutError, match="not a parameter"):
+        client.push_weights([("model.extra.weight", torch.zeros(2))], version=5)
+    assert served_logprobs(srv) == before
+    assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 4
+    client.close()
+    assert not srv.s.get(srv.url + "/collective/status", timeout=5).json()["joined"]
 
 
 def test_bad_weights_leave_the_model_unchanged(srv):

@@ -8,9 +8,7 @@ the trainer-side CollectiveSender in this process.
 from __future__ import annotations
 
 import math
-import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -132,29 +130,18 @@ def test_update_then_prompt_logprobs_match_hf(engine, tiny_path):
     assert max(abs(a - b) for x, y in zip(before, after) for a, b in zip(x, y)) > 10 * BF16_LOGPROB_TOL / 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
+    """bf16 over the wire: the routes of the real server (in this process) around the module's engine."""
+    from hpc_rl.rollout.collective import CollectiveError, CollectiveSender, register_server_routes
+    from hpc_rl.rollout.server import RolloutService, make_http_server
+    from hpc_rl.rundir import RunDir
 
-
-def test_collective_sync_over_http(engine, tiny_path):
-    import uvicorn
-    from fastapi import FastAPI
-
-    from hpc_rl.rollout.collective import CollectiveError, CollectiveSender, register_collective_routes
-
-    app = FastAPI()
-    register_collective_routes(app, engine, {"token": "t0k"})
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    th = threading.Thread(target=server.run, daemon=True)
+    service = RolloutService(engine, RunDir(tmp_path), str(tiny_path), 256, None)
+    register_server_routes(service)
+    httpd = make_http_server(service, "t0k", "127.0.0.1", 0)
+    th = threading.Thread(target=httpd.serve_forever, daemon=True)
     th.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "uvicorn test server did not start within 30s"
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
     try:
         with pytest.raises(CollectiveError, match="401"):
             CollectiveSender([url], "wrong").connect()
@@ -164,6 +151,8 @@ def test_collective_sync_over_http(engine, tiny_path):
         for version, seed in ((1, 1), (2, 2)):
             m = _perturbed(tiny_path, seed=seed)
             secs = sender.broadcast(list(m.state_dict().items()), version)
+            assert sender.last_bytes == sum(t.numel() * 2 for t in m.state_dict().values())  # bf16 wire
+            assert service.policy_version == version
             got = engine.prompt_logprobs(prompts, [4])[0]
             want = _hf_logprobs(m, prompts[0], 4)
             diff = max(abs(a - b) for a, b in zip(got, want))
@@ -172,7 +161,8 @@ def test_collective_sync_over_http(engine, tiny_path):
         # A tensor the model does not have is refused before anything is broadcast.
         with pytest.raises(CollectiveError, match="not a parameter"):
             sender.broadcast([("nope.weight", torch.zeros(2))], 3)
+        assert service.policy_version == 2
         sender.close()
     finally:
-        server.should_exit = True
-        th.join(timeout=10)
+        httpd.shutdown()
+        httpd.server_close()

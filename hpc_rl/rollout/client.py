@@ -90,7 +90,7 @@ class RolloutClient:
         self.weight_sync = weight_sync
         # "cpu" or "cuda": the collective's backend (gloo/NCCL) and where rank 0 stages each bucket.
         self.trainer_device = trainer_device
-        self._transport: str | None = None  # weight_sync resolved ("auto" decided on the first push)
+        self._transport: tuple[str, str] | None = None  # (weight_sync, what it resolved to on the first push)
         self._sender = None  # CollectiveSender: one group for the whole run, reused across pushes
         self.servers: dict[int, Server] = {}
         self.pushed_version: int | None = None
@@ -291,9 +291,15 @@ class RolloutClient:
         servers = self._healthy()
         if not servers:
             raise RolloutError(f"push_weights v{version}: no healthy rollout server; check RUN/logs/rollout-K.log")
-        if self._transport is None:
-            self._transport = self._resolve_transport(servers)
-        transport = self._transport
+        if self._transport is None or self._transport[0] != self.weight_sync:
+            self._drop_dead(servers)  # a server that is already gone must not decide the transport
+            servers = self._healthy()
+            if not servers:
+                raise RolloutError(f"push_weights v{version}: no healthy rollout server; check RUN/logs/rollout-K.log")
+            self._transport = (self.weight_sync, self._resolve_transport(servers))
+        transport = self._transport[1]
+        if transport != "collective":
+            self._close_sender()
         t0 = time.perf_counter()
         if transport == "collective":
             named = list(named_tensors)

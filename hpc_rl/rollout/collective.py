@@ -264,6 +264,7 @@ class _ReceiverState:
     def __init__(self, target):
         self.target = target
         self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)  # notified whenever a join/update ends
         self.joined = False
         self.error: str | None = None
         self.busy = False
@@ -283,15 +284,26 @@ class _ReceiverState:
             finally:
                 with self.lock:
                     self.busy = False
+                    self.changed.notify_all()
 
         with self.lock:
             self.busy, self.error = True, None
         threading.Thread(target=body, name="hpc-rl-weight-sync", daemon=True).start()
 
+    def _snap(self) -> dict:
+        return {"joined": self.joined, "busy": self.busy, "error": self.error, "version": self.version,
+                "seconds": self.seconds}
+
     def snapshot(self) -> dict:
         with self.lock:
-            return {"joined": self.joined, "busy": self.busy, "error": self.error, "version": self.version,
-                    "seconds": self.seconds}
+            return self._snap()
+
+    def wait_version(self, version: int, timeout_s: float) -> dict:
+        """Block until `version` is loaded, an error is reported, or timeout_s passes; the status then."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.error is not None or (self.version == version and not self.busy),
+                                  timeout=timeout_s)
+            return self._snap()
 
 
 def start_collective_receive(target, rs: _ReceiverState, master_addr: str, master_port: int, world_size: int,
@@ -388,7 +400,13 @@ def register_server_routes(service) -> None:
     service.add_route("GET", "/collective/info", info)
     service.add_route("POST", "/collective/join", join)
     service.add_route("POST", "/collective/update", update)
+    def wait(body) -> dict:
+        d = body_of(body)
+        # Bounded: one HTTP request never hangs longer than this; the sender asks again until its deadline.
+        return rs.wait_version(int(_need(d, "version")), min(float(d.get("timeout_s", 30.0)), 30.0))
+
     service.add_route("GET", "/collective/status", lambda _b: rs.snapshot())
+    service.add_route("POST", "/collective/wait", wait)
     service.add_route("POST", "/collective/close", close)
 
 
@@ -460,6 +478,24 @@ class CollectiveSender:
                 delay = min(delay * 2, 0.2)
         return [results[s] for s in self.servers]
 
+    def _wait_loaded(self, version: int) -> list[dict]:
+        """Long-poll POST /collective/wait on each server until it has loaded `version` (no polling delay)."""
+        deadline = time.monotonic() + self.timeout_s
+        out = []
+        for s in self.servers:
+            while True:
+                left = deadline - time.monotonic()
+                st = self._req("POST", f"{s}/collective/wait", {"version": version, "timeout_s": max(0.0, min(left, 30.0))})
+                if st.get("error"):
+                    raise CollectiveError(f"weight sync: {s} failed to load weights version {version}: {st['error']}")
+                if st.get("version") == version and not st.get("busy"):
+                    out.append(st)
+                    break
+                if time.monotonic() >= deadline:
+                    raise CollectiveError(f"weight sync: timed out after {self.timeout_s:.0f}s waiting for {s} to "
+                                          f"load weights version {version}")
+        return out
+
     def connect(self, specs: dict | None = None) -> None:
         """Ask each server to join, join as rank 0, and wait until every server reports joined."""
         infos = [self._req("GET", f"{s}/collective/info") for s in self.servers]
@@ -506,25 +542,28 @@ class CollectiveSender:
                 if st.get("error"):
                     raise CollectiveError(f"weight sync: {s} failed to load version {version}: {st['error']}") from None
             raise
-        sts = self._wait_all(f"load weights version {version}",
-                             lambda st: st.get("version") == int(version) and not st.get("busy"))
+        sts = self._wait_loaded(int(version))
         self.last_seconds = {s: st.get("seconds") for s, st in zip(self.servers, sts)}
         self.last_bytes = plan_bytes(plan)
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        """Tell the servers to leave the group, then leave it."""
-        for s in self.servers:
-            try:
-                self._req("POST", f"{s}/collective/close", {})
-            except CollectiveError as e:
-                log.warning("%s", e)
+        """Leave the group, then tell the servers to leave it too.
+
+        Leaving first: a server still waiting in a receive (an update that failed elsewhere) sees the
+        connection drop and gives up at once instead of holding its engine until the group times out.
+        """
         pg, self.pg = self.pg, None
         if pg is not None:
             try:
                 pg.shutdown()
             except Exception:
                 pass
+        for s in self.servers:
+            try:
+                self._req("POST", f"{s}/collective/close", {})
+            except CollectiveError as e:
+                log.debug("%s", e)
         if self._session is not None:
             self._session.close()
             self._session = None
