@@ -3,6 +3,7 @@ Slurm job (`run_node`). Both use the same trainer-rank and rollout-server proces
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import shutil
@@ -72,6 +73,28 @@ def clear_rendezvous(run: RunDir) -> None:
 
 # --------------------------------------------------------------------------- processes
 
+_PR_SET_PDEATHSIG = 1
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl  # bound here: the forked child only calls it
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent():
+    """A preexec_fn: the child gets SIGKILL when this launcher dies (even by SIGKILL), so no rank or
+    server outlives it. Children run in their own session, so killing the launcher's group alone
+    would otherwise leave them behind."""
+    parent = os.getpid()
+
+    def preexec() -> None:
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the launcher died between fork and prctl
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 
 def _base_env(cfg: JobConfig) -> dict:
     env = dict(os.environ)
@@ -94,7 +117,8 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     run.logs.mkdir(parents=True, exist_ok=True)
     logf = open(run.logs / f"rollout-{index}.log", "ab")
     cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
-    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent())
 
 
 def _tee(src, path: Path, echo: bool) -> None:
@@ -120,7 +144,8 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
                     "LOCAL_WORLD_SIZE": str(ppn), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                             preexec_fn=_die_with_parent())
         threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log", echo_rank0 and rank == 0),
                          daemon=True).start()
         p.hpc_rl_rank = rank  # type: ignore[attr-defined]

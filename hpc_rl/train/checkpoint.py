@@ -124,14 +124,12 @@ def list_checkpoints(run: RunDir) -> list[Path]:
 
 
 def find_latest(run: RunDir) -> Path | None:
-    """The newest complete checkpoint: `latest` when it verifies, else the newest older one that does."""
-    pointer = run.checkpoints / "latest"
+    """The newest complete checkpoint (manifest verifies); an incomplete one falls back to the one before.
+
+    Newest rather than `latest`: a kill between the rename of step_N and the pointer update leaves a
+    complete step_N that `latest` does not name yet; the rename is the commit point.
+    """
     candidates = list_checkpoints(run)[::-1]
-    if pointer.is_file():
-        named = run.checkpoints / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
     for c in candidates:
         if verify(c):
             return c

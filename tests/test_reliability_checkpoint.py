@@ -1,0 +1,107 @@
+"""Checkpoint atomicity without DeepSpeed: a checkpoint cut off at any byte is never picked on resume (the
+previous one is), leftovers of a killed save are ignored, keep-last-K never deletes the newest."""
+
+import os
+
+import pytest
+import torch
+
+from hpc_rl.rundir import RunDir, write_json_atomic
+from hpc_rl.train import checkpoint
+
+
+def _fake_checkpoint(run: RunDir, step: int, finish: bool = True):
+    """The files save() writes (torch shards, safetensors, trainer state), then the manifest and rename."""
+    from safetensors.torch import save_file
+
+    tmp = run.checkpoints / f".step_{step}.tmp"
+    (tmp / "deepspeed" / "actor" / "state").mkdir(parents=True)
+    torch.save({"w": torch.arange(64, dtype=torch.float32) * step},
+               tmp / "deepspeed" / "actor" / "state" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (tmp / "hf").mkdir()
+    save_file({"w": torch.full((8, 8), float(step))}, str(tmp / "hf" / "model.safetensors"))
+    (tmp / "trainer_state.json").write_text(f'{{"step": {step}}}')
+    if not finish:
+        return tmp
+    write_json_atomic(tmp / "manifest.json", checkpoint._manifest(tmp))
+    final = checkpoint.step_dir(run, step)
+    os.rename(tmp, final)
+    (run.checkpoints / "latest").write_text(final.name)
+    return final
+
+
+@pytest.fixture
+def run(tmp_path):
+    r = RunDir(tmp_path / "run")
+    r.checkpoints.mkdir(parents=True)
+    return r
+
+
+def test_complete_checkpoints_verify_and_newest_wins(run):
+    _fake_checkpoint(run, 1)
+    _fake_checkpoint(run, 2)
+    assert checkpoint.verify(checkpoint.step_dir(run, 2))
+    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 2)
+
+
+def test_cut_at_every_byte_falls_back_to_previous(run):
+    """Every file of the newest checkpoint, cut at every byte (small files) or at 64 seeded offsets (big
+    ones): find_latest picks the previous checkpoint each time, and the cut one never verifies."""
+    import random
+
+    _fake_checkpoint(run, 1)
+    newest = _fake_checkpoint(run, 2)
+    rng = random.Random(7)
+    files = sorted(p for p in newest.rglob("*") if p.is_file())
+    assert len(files) == 4
+    cuts = 0
+    for f in files:
+        data = f.read_bytes()
+        offsets = range(len(data)) if len(data) <= 400 else sorted(rng.sample(range(len(data)), 64) + [0])
+        for n in offsets:
+            f.write_bytes(data[:n])
+            assert not checkpoint.verify(newest), (f, n)
+            assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1), (f, n)
+            cuts += 1
+        f.write_bytes(data)
+        assert checkpoint.find_latest(run) == newest
+    assert cuts > 200
+
+
+def test_missing_file_or_manifest_falls_back(run):
+    _fake_checkpoint(run, 1)
+    newest = _fake_checkpoint(run, 2)
+    (newest / "hf" / "model.safetensors").unlink()
+    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
+    (newest / "manifest.json").unlink()
+    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
+
+
+def test_killed_save_leaves_tmp_that_is_never_picked(run):
+    _fake_checkpoint(run, 1)
+    _fake_checkpoint(run, 2, finish=False)  # killed before the manifest and the rename
+    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_1"]
+
+
+def test_kill_between_rename_and_pointer_keeps_the_renamed_step(run):
+    """The rename is the commit point: a complete step_2 that `latest` does not name yet is used."""
+    _fake_checkpoint(run, 1)
+    _fake_checkpoint(run, 2)
+    (run.checkpoints / "latest").write_text("step_1")
+    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 2)
+
+
+def test_no_checkpoint_at_all(run):
+    assert checkpoint.find_latest(run) is None
+    _fake_checkpoint(run, 1)
+    (checkpoint.step_dir(run, 1) / "trainer_state.json").write_text("")
+    assert checkpoint.find_latest(run) is None
+
+
+def test_prune_never_deletes_latest(run):
+    for s in (1, 2, 3, 4):
+        _fake_checkpoint(run, s)
+    (run.checkpoints / "latest").write_text("step_1")
+    checkpoint._prune(run, 2, checkpoint.step_dir(run, 1))
+    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_1", "step_3", "step_4"]
