@@ -272,8 +272,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
         raise ConfigError(f"{key}: {value!r} is not valid; use {_type_name(tp)}{extra}")
     if dataclasses.is_dataclass(tp):
-        if value is None:
-            return None
+        if value is None:  # an empty YAML section (`algorithm:` with all keys commented out): the defaults
+            return tp()
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a mapping of settings, got {type(value).__name__} {value!r}")
         return _build(tp, value, key)
@@ -380,7 +380,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(m.path is None or m.tiny is None, "model.tiny: set either model.path or model.tiny, not both")
     if m.tiny is not None:
         tm = m.tiny
-        need(tm.num_heads % tm.num_kv_heads == 0, "model.tiny.num_kv_heads must divide model.tiny.num_heads")
+        need(tm.num_kv_heads > 0 and tm.num_heads % tm.num_kv_heads == 0,
+             "model.tiny.num_kv_heads must divide model.tiny.num_heads")
         need(tm.hidden_size > 0 and tm.num_layers > 0 and tm.head_dim > 0, "model.tiny: sizes must be positive")
     need(a.group_size >= 1, "algorithm.group_size must be >= 1")
     if a.name in ("grpo", "rloo"):
