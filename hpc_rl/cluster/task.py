@@ -33,6 +33,11 @@ def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     prepare_node_env(cfg)
     log.info("node %d/%d on %s (%s): %s", node_index, num_nodes, socket.gethostname(),
              os.environ.get("HPC_RL_NODE_ADDR"), role_of(cfg, node_index))
+    if cfg.rollout.nodes == 0 and num_nodes == 1:
+        # rollout.nodes=0: the rollout server(s) share the trainer's node, exactly as in `hpc-rl run`.
+        from ..launch import run_local
+
+        return int(run_local(run, cfg) or 0)
     from ..launch import run_node
 
     return int(run_node(run, node_index, num_nodes) or 0)
