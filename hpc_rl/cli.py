@@ -47,6 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     p.add_argument("--runs-dir", default="runs")
 
+    p = sub.add_parser("sweep", help="a sweep as one Slurm job array: [run] FILE | status SWEEP | resubmit SWEEP --failed")
+    p.add_argument("args", nargs="+", metavar="ARG",
+                   help="[run] SWEEP.yaml [overrides] | status SWEEP | resubmit SWEEP --failed")
+    p.add_argument("--dry-run", action="store_true", help="list the points and print the array script; submit nothing")
+    p.add_argument("--json", action="store_true", help="status: machine-readable output")
+    p.add_argument("--follow", "-f", action="store_true", help="status: wait (with progress) until every point ended")
+    p.add_argument("--failed", action="store_true", help="resubmit: the points that failed (they resume)")
+    p.add_argument("--sweeps-dir", default="runs/sweeps", help="where sweeps live (default: runs/sweeps)")
+
+    p = sub.add_parser("plot", help="PNG of reward/KL curves of a run or a sweep (into its plots/)")
+    p.add_argument("target", metavar="RUN_OR_SWEEP", help="a run or sweep (name or dir)")
+    p.add_argument("--out", help="PNG path (default: RUN_OR_SWEEP/plots/curves.png)")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--sweeps-dir", default="runs/sweeps")
+
     p = sub.add_parser("doctor", help="check this environment for known pitfalls, with fixes")
     p.add_argument("--job", help="also check this job spec")
     p.add_argument("--json", action="store_true")
@@ -78,6 +93,13 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "export":
         from .train.checkpoint import export_hf
         return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir)
+    if args.command == "sweep":
+        from .cluster.sweep import sweep_cli
+        return sweep_cli(args.args, dry_run=args.dry_run, as_json=args.json, failed=args.failed, follow=args.follow,
+                         sweeps_dir=args.sweeps_dir)
+    if args.command == "plot":
+        from .plots import plot_target
+        return plot_target(args.target, out=args.out, runs_dir=args.runs_dir, sweeps_dir=args.sweeps_dir)
     if args.command == "doctor":
         from .doctor import run_doctor
         return run_doctor(job=args.job, as_json=args.json)
