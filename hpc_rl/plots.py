@@ -1,0 +1,105 @@
+"""`hpc-rl plot RUN_OR_SWEEP`: reward and KL curves from metrics.jsonl as a PNG (matplotlib, Agg).
+
+A run: RUN/plots/curves.png. A sweep: SWEEP/plots/curves.png with one line per point, the legend
+naming each point's overrides. The PNG's text chunks carry the title and the plotted runs (JSON).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .errors import HpcRlError
+from .metrics import read_metrics
+from .rundir import RunDir, find
+
+PNG_NAME = "curves.png"
+FIG_SIZE_IN = (13.0, 6.0)
+DPI = 100
+# (metric key, panel title, y-axis label with its unit)
+PANELS = [("reward_mean", "Mean reward", "mean reward per sample (reward units)"),
+          ("kl", "KL to the reference policy", "KL (nats per token)")]
+_STYLES = ["-", "--", "-.", ":"]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float)) and "step" in r]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path) -> Path:
+    """Draw reward and KL against step for each (label, metrics rows); write a PNG of fixed size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=FIG_SIZE_IN, dpi=DPI, layout="constrained")
+    colors = plt.get_cmap("tab10").colors
+    handles = []
+    for (key, panel, ylabel), ax in zip(PANELS, axes):
+        for n, (label, rows) in enumerate(curves):
+            x, y = _series(rows, key)
+            # Colour and dash pattern both vary so that 8+ lines stay apart, also in grey print.
+            (line,) = ax.plot(x, y, color=colors[n % len(colors)], linestyle=_STYLES[n % len(_STYLES)],
+                              linewidth=1.8, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
+            if key == PANELS[0][0]:
+                handles.append(line)
+        ax.set_title(panel)
+        ax.set_xlabel("training step (RL iterations)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=13)
+    if len(curves) > 1:
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(4, len(curves)), fontsize=9,
+                   title="overrides", frameon=False)
+    elif curves:
+        axes[0].legend(handles=handles, fontsize=9)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"Title": title, "Description": json.dumps({"runs": [c[0] for c in curves],
+                                                        "metrics": [p[0] for p in PANELS]})}
+    fig.savefig(out, dpi=DPI, metadata=meta)
+    plt.close(fig)
+    return out
+
+
+def _sweep_curves(root: Path) -> tuple[str, list[tuple[str, list[dict]]]]:
+    from .cluster.sweep import load_state
+
+    state = load_state(root)
+    curves = [(f"{p['index']}: {p['label']}", read_metrics(Path(p["run_dir"]) / "metrics.jsonl"))
+              for p in state["points"]]
+    return f"Sweep {state['name']}: {len(curves)} runs", curves
+
+
+def plot_target(target: str, out: Optional[str] = None, runs_dir: str = "runs",
+                sweeps_dir: str = "runs/sweeps") -> int:
+    """`hpc-rl plot RUN_OR_SWEEP [--out PNG]`: write the PNG and print its path."""
+    from .cluster.sweep import find_sweep, is_sweep
+
+    p = Path(target)
+    if is_sweep(p) or (not (p / "job.yaml").is_file() and is_sweep(Path(sweeps_dir) / target)):
+        root = find_sweep(target, sweeps_dir)
+        title, curves = _sweep_curves(root)
+        dest = Path(out) if out else root / "plots" / PNG_NAME
+    else:
+        try:
+            run = find(target, runs_dir)
+        except HpcRlError:
+            try:
+                root = find_sweep(target, sweeps_dir)
+            except HpcRlError:
+                raise HpcRlError(f"{target!r} is neither a run nor a sweep (no job.yaml or sweep.json; looked in "
+                                 f"{runs_dir}/ and {sweeps_dir}/); pass the dir that run/submit/sweep printed") from None
+            title, curves = _sweep_curves(root)
+            dest = Path(out) if out else root / "plots" / PNG_NAME
+        else:
+            title, curves = f"Run {run.name}", [(run.name, read_metrics(run.metrics))]
+            dest = Path(out) if out else RunDir(run.root).plots / PNG_NAME
+    if not any(rows for _, rows in curves):
+        raise HpcRlError(f"{target}: no metrics yet (metrics.jsonl is empty or missing); plot once the run has "
+                         "logged a step")
+    plot_curves(curves, title, dest)
+    print(dest)
+    return 0
