@@ -112,7 +112,13 @@ def dispatch(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hpc-rl` console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Overrides may follow options (`run JOB --resume RUN trainer.steps=6`), which argparse alone rejects.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if getattr(args, "overrides", None) is not None and all("=" in a and not a.startswith("-") for a in extra):
+            args.overrides += extra
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:
         parser.print_help()
         return 2
