@@ -80,6 +80,8 @@ def test_no_grid_no_seeds_is_one_point_and_base_is_relative_to_the_file(tmp_path
     ("base: {toy}\nmax_parallel: 0\n", "max_parallel must be an integer >= 1"),
     ("base: {toy}\ngrid: {{algorithm.kl.coef: 0.1}}\n", "grid.algorithm.kl.coef must be a non-empty list"),
     ("base: {toy}\ngrid: {{algorithm.kl.coef: [0.1, -1]}}\n", "sweep point 1 (kl.coef=-1): algorithm.kl.coef"),
+    ("base: {toy}\ngrid: [1]\n", "grid must map dotted keys to lists of values, e.g. grid: {algorithm"),
+    ("base: {toy}\nlist: [1]\n", "list must be a list of mappings of dotted overrides, e.g. list: [{trainer"),
     ("base: {toy}\nlist: [{{trainer.lrr: 1}}]\n", "sweep point 0 (trainer.lrr=1): trainer.lrr: unknown key"),
 ])
 def test_sweep_file_errors_name_the_cause(tmp_path, text, needle):

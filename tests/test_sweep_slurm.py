@@ -128,6 +128,12 @@ output_dir: {tmp_path / 'sweeps'}
     assert "resumed from" in (bad / "logs" / "trainer-0.log").read_text()
     assert [r["step"] for r in read_metrics(bad / "metrics.jsonl")] == list(range(1, STEPS + 1))
     assert hpc_rl("sweep", "resubmit", str(root), "--failed").stdout.startswith("sweep kl-test: no failed point")
+    # A point's dir is an ordinary run dir: `hpc-rl status/logs` show both attempts through its submitit/ links.
+    new_id = info["points"][3]["job_id"]
+    assert json.loads(hpc_rl("status", str(bad), "--json").stdout)["state"] == "COMPLETED"
+    logs = hpc_rl("logs", str(bad)).stdout
+    assert f"==> submitit/{array_id}_3_0_log.err <==" in logs and f"==> submitit/{new_id}_0_log.out <==" in logs
+    assert "planted fault" in logs and "resumed from" in logs
 
     # Plot of the sweep: one line per point, legend naming the overrides.
     png = Path(hpc_rl("plot", str(root)).stdout.strip().splitlines()[-1])

@@ -97,7 +97,7 @@ def _override_sets(data: dict, path: str) -> list[dict]:
     if grid is not None:
         if not isinstance(grid, dict) or not grid:
             raise ConfigError(f"{path}: grid must map dotted keys to lists of values, e.g. "
-                              "grid: {{algorithm.kl.coef: [0.0, 0.05]}}")
+                              "grid: {algorithm.kl.coef: [0.0, 0.05]}")
         for k, vals in grid.items():
             if not isinstance(vals, list) or not vals:
                 raise ConfigError(f"{path}: grid.{k} must be a non-empty list of values, e.g. [0.0, 0.05]")
@@ -106,7 +106,7 @@ def _override_sets(data: dict, path: str) -> list[dict]:
     if lst is not None:
         if not isinstance(lst, list) or not all(isinstance(x, dict) for x in lst):
             raise ConfigError(f"{path}: list must be a list of mappings of dotted overrides, e.g. "
-                              "list: [{{trainer.lr: 1e-3}}, {{algorithm.name: rloo}}]")
+                              "list: [{trainer.lr: 1e-3}, {algorithm.name: rloo}]")
         sets += [dict(x) for x in lst]
     return sets or [{}]
 
