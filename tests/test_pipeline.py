@@ -134,3 +134,25 @@ def test_resume_continues_steps_data_order_and_results(short_run, tmp_path_facto
     assert resumed[0]["reward_mean"] == straight[0]["reward_mean"]
     for a, b in zip(resumed[4:], straight[4:]):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-9)
+
+
+def huge_reward(prompt, completion, **_):
+    """Finite for the validator, but overflows float32: every loss and gradient becomes non-finite."""
+    return 1e300
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
+    env_path = f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-ppo-cpu.yaml"),
+                        "trainer.steps=6", "checkpoint.every=0", "reward.function=tests.test_pipeline:huge_reward"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=env_path))
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout + r.stderr
+    assert "non-finite loss or gradient; optimizer step skipped (1 in a row)" in out
+    assert "3 steps in a row had a non-finite loss or gradient (last at step 3)" in out
+    assert "Traceback" not in out
+    run = only_run(tmp_path)
+    init_like = read_metrics(run / "metrics.jsonl")
+    assert [x["step"] for x in init_like] == [1, 2, 3]
+    assert all(x["skipped_updates"] > 0 for x in init_like)
