@@ -83,10 +83,16 @@ except (OSError, AttributeError):  # not Linux
 def _die_with_parent():
     """A preexec_fn: the child gets SIGKILL when this launcher dies (even by SIGKILL), so no rank or
     server outlives it. Children run in their own session, so killing the launcher's group alone
-    would otherwise leave them behind."""
+    would otherwise leave them behind.
+
+    It also ignores SIGUSR1/SIGUSR2 (inherited through exec): Slurm sends its preemption warning to
+    every process of a step, and its default action would kill a rollout server mid-step; trainer
+    ranks install their own handler (train/main.py)."""
     parent = os.getpid()
 
     def preexec() -> None:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if _prctl is not None:
             _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         if os.getppid() != parent:  # the launcher died between fork and prctl
@@ -146,11 +152,39 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
         cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                              preexec_fn=_die_with_parent())
-        threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log", echo_rank0 and rank == 0),
-                         daemon=True).start()
+        tee = threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log",
+                                                  echo_rank0 and rank == 0), daemon=True)
+        tee.start()
         p.hpc_rl_rank = rank  # type: ignore[attr-defined]
+        p.hpc_rl_tee = tee  # type: ignore[attr-defined]
         procs.append(p)
     return procs
+
+
+# This node's trainer ranks while run_node waits for them (for preempt_trainers, called by submitit's
+# signal handler in the same process).
+_node_trainers: list[subprocess.Popen] = []
+
+
+def preempt_trainers(timeout_s: float) -> bool:
+    """Ask this node's trainer ranks to checkpoint at the next step boundary and exit; True when they did.
+
+    The signal is repeated: a rank still importing (signals ignored until its handler is set) gets a later one.
+    """
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        live = [p for p in _node_trainers if p.poll() is None]
+        if not live:
+            return True
+        for p in live:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(2.0)
+    log.warning("trainer ranks did not stop within %.0fs of the preemption signal; the requeued job resumes "
+                "from the last periodic checkpoint", timeout_s)
+    return False
 
 
 def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None:
@@ -181,19 +215,37 @@ def _tail(path: Path, n: int = 15) -> str:
     return "\n".join(lines[-n:])
 
 
+def _drain(trainers: list[subprocess.Popen]) -> None:
+    """Let the tee threads copy the ranks' last lines (rank 0's error line is what the user sees)."""
+    for p in trainers:
+        tee = getattr(p, "hpc_rl_tee", None)
+        if tee is not None:
+            tee.join(timeout=5)
+
+
 def wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen]) -> int:
     """Wait for every rank; the first one that fails stops all others at once (no hang until a timeout)."""
+    try:
+        return _wait_trainers(run, trainers, others)
+    finally:
+        _drain(trainers)
+
+
+def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen]) -> int:
     while True:
         codes = [p.poll() for p in trainers]
         failed = [(p, c) for p, c in zip(trainers, codes) if c not in (None, 0)]
         if failed:
-            p, code = failed[0]
+            # A rank killed by a signal is the cause; the others then fail in their collectives.
+            p, code = sorted(failed, key=lambda pc: pc[1] > 0)[0]
             rank = p.hpc_rl_rank  # type: ignore[attr-defined]
+            if not (code == 2 and rank == 0):  # (a user error: rank 0 already printed it)
+                how = f"exited with code {code}"
+                if code < 0:
+                    how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
+                log.error("trainer rank %d %s on %s; stopping the job. Last lines of logs/trainer-%d.log:\n%s",
+                          rank, how, os.uname().nodename, rank, _tail(run.logs / f"trainer-{rank}.log"))
             stop_processes([q for q in trainers if q is not p] + others)
-            if code == 2 and rank == 0:
-                return 2  # a user error: rank 0 already printed it
-            log.error("trainer rank %d exited with code %d on %s; last lines of logs/trainer-%d.log:\n%s",
-                      rank, code, os.uname().nodename, rank, _tail(run.logs / f"trainer-{rank}.log"))
             return code if code > 0 else 1
         if all(c == 0 for c in codes):
             return 0
@@ -262,6 +314,16 @@ def _wait_for(path: Path, timeout_s: float, what: str) -> dict:
                      "node's log (hpc-rl logs RUN --role trainer)")
 
 
+def _record_attempt(run: RunDir) -> None:
+    """attempts.json: how often Slurm requeued this job (preemption, time limit); `hpc-rl status` shows it."""
+    restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    write_json_atomic(run.root / "attempts.json", {"requeues": restarts, "job_id": os.environ.get("SLURM_JOB_ID"),
+                                                   "started": time.time()})
+    if restarts:
+        log.info("attempt %d of this job (requeued %d time(s)); resuming from the run's checkpoints",
+                 restarts + 1, restarts)
+
+
 def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
     cfg = config.load(run.job_yaml)
@@ -277,7 +339,10 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
         log.info("node %d (%s): trainer ranks %d..%d, master %s:%s", node_index, os.uname().nodename,
                  node_index * cfg.trainer.procs_per_node, (node_index + 1) * cfg.trainer.procs_per_node - 1,
                  master["addr"], master["port"])
+        if node_index == 0:
+            _record_attempt(run)
         ranks = start_trainer_ranks(run, cfg, node_index, master["addr"], int(master["port"]))
+        _node_trainers[:] = ranks
         return wait_trainers(run, ranks, [])
     first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
     servers = [start_rollout_server(run, cfg, first + j) for j in range(cfg.rollout.servers_per_node)]

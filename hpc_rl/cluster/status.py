@@ -88,6 +88,8 @@ def run_info(run: RunDir) -> dict:
         "state": state, "state_source": source, "nodes": slurmq.job_nodes(job_id) if job_id else None,
         "step": m.get("step"), "steps": (spec.get("trainer") or {}).get("steps"),
         "reward_mean": m.get("reward_mean"),
+        # Written by the first node of each attempt (launch._record_attempt): preemptions/time limits survived.
+        "requeues": int((read_json(run.root / "attempts.json") or {}).get("requeues", 0)),
     }
 
 
@@ -103,7 +105,8 @@ def _fmt(info: dict) -> list[str]:
     step = "-" if info["step"] is None else f"{info['step']}/{info['steps'] or '?'}"
     reward = info["reward_mean"]
     reward = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
-    return [info["run"], info["state"], info["job_id"] or "local", step, reward, info["nodes"] or ""]
+    state = info["state"] + (f" (requeued {info['requeues']}x)" if info.get("requeues") else "")
+    return [info["run"], state, info["job_id"] or "local", step, reward, info["nodes"] or ""]
 
 
 def show_status(run: Optional[str], runs_dir: str = "runs", as_json: bool = False) -> int:

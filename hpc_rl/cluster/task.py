@@ -62,9 +62,15 @@ class NodeTask:
         return rc
 
     def checkpoint(self, *args, **kwargs):
-        """Preemption or time limit: requeue the same task; the run resumes from its own checkpoints."""
+        """Preemption or time limit: the trainer ranks checkpoint at the next step boundary and exit, then
+        submitit requeues the same task; the run resumes from that checkpoint."""
         import submitit
 
+        from .. import config
+        from ..launch import preempt_trainers
+
+        delay = config.from_resolved(RunDir(Path(self.run_dir)).job_yaml).slurm.signal_delay_s
+        preempt_trainers(max(5.0, delay - 15.0))  # leave Slurm time for the requeue itself
         return submitit.helpers.DelayedSubmission(NodeTask(self.run_dir))
 
     def __repr__(self) -> str:

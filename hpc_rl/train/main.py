@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 
@@ -15,6 +16,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True)
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", 0))
+    # Slurm's warning signal (submitit asks for USR2; USR1 when sent by hand): checkpoint at the next step
+    # boundary and exit, instead of the default action (death) that would lose the step.
+    from .trainer import request_preemption
+
+    signal.signal(signal.SIGUSR1, request_preemption)
+    signal.signal(signal.SIGUSR2, request_preemption)
     from ..logs import setup_logging
 
     log = setup_logging(rank)

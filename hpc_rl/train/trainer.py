@@ -28,6 +28,19 @@ from .experience import Batch, batched_forward, pack, policy_forward, value_forw
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
 
+# Set by SIGUSR1/SIGUSR2 (Slurm's warning before preemption or the time limit; see main.py).
+_preempt_requested = False
+
+
+def request_preemption(*_args) -> None:
+    """Signal handler: checkpoint and stop at the next step boundary (all ranks agree through an all-reduce)."""
+    global _preempt_requested
+    _preempt_requested = True
+
+
+class _RolloutStop(Exception):
+    """Raised on every rank at once when rank 0 could not get samples: checkpoint, then stop."""
+
 
 class Trainer:
     """Holds the engines of one rank; rank 0 also holds the data, the reward and the rollout client."""
@@ -51,6 +64,7 @@ class Trainer:
                       " + critic" if self.critic else "", " + reference" if self.ref else "", self.device_kind,
                       dist.world_size, dist.backend)
         self.step = 0
+        self.preempted = False
         self.nonfinite_in_a_row = 0
         self.policy_version = 0
         self.client = None
@@ -141,6 +155,19 @@ class Trainer:
                       len(idx), a.group_size, gen_tokens, self.dataset.texts[idx[0]], texts[0], scores[0])
         return {"prompts": prompt_ids, "responses": resp_ids, "scores": shaped.tolist(), "stats": stats}
 
+    def _server_log_tails(self, lines: int = 2) -> str:
+        """' | rollout-K.log: last lines' for every server, on one line (the error stays one line)."""
+        from ..launch import rollout_server_count
+
+        parts = []
+        for k in range(rollout_server_count(self.cfg)):
+            try:
+                tail = (self.run.logs / f"rollout-{k}.log").read_text(errors="replace").strip().splitlines()[-lines:]
+            except OSError:
+                tail = ["(no log)"]
+            parts.append(f"logs/rollout-{k}.log: " + " / ".join(t.strip() for t in tail))
+        return " | " + " | ".join(parts) if parts else ""
+
     def _stop_ids(self) -> list[int]:
         ids = []
         for s in self.cfg.rollout.stop:
@@ -172,8 +199,15 @@ class Trainer:
         """One RL iteration; collective over all trainer ranks. Returns metrics on rank 0."""
         cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
         t_start = time.time()
-        payload = self._generate(step) if dist.is_main else None
+        payload = None
+        if dist.is_main:
+            try:
+                payload = self._generate(step)
+            except RolloutError as e:  # every server gone past the client's timeouts and retries
+                payload = {"rollout_error": f"{e}{self._server_log_tails()}"}
         payload = broadcast_object(payload)
+        if "rollout_error" in payload:
+            raise _RolloutStop(payload["rollout_error"])
         scores_all = torch.tensor(payload["scores"], dtype=torch.float32)
         # Group advantages need whole groups: computed over the full batch before sharding.
         seq_adv_all = None
@@ -213,7 +247,12 @@ class Trainer:
         sd = gather_state_dict(self.actor)
         sync = {}
         if dist.is_main:
-            sync = self.client.push_weights(list(sd.items()), version=self.policy_version)
+            try:
+                sync = self.client.push_weights(list(sd.items()), version=self.policy_version)
+            except RolloutError as e:
+                # The update itself is done: keep it. The next step's generate stops the run (after a
+                # checkpoint) if no server is left, or names the version lag if one missed this push.
+                log.error("step %d: weight push failed: %s", step + 1, e)
         del sd
         t_sync = time.time() - t0
 
@@ -327,7 +366,16 @@ class Trainer:
             del sd
         while self.step < total:
             step = self.step
-            m = self.train_step(step)
+            try:
+                m = self.train_step(step)
+            except _RolloutStop as e:
+                # Keep the finished steps: a checkpoint of the last one (unless it exists), then stop.
+                if self.step > 0 and not checkpoint.step_dir(self.run, self.step).is_dir():
+                    self.save_checkpoint()
+                if dist.is_main:
+                    raise RolloutError(f"step {step + 1}: no rollout server answered; checkpoint of step "
+                                       f"{self.step} kept, resume with `hpc-rl run JOB --resume RUN`: {e}") from None
+                return  # the other ranks stop quietly; rank 0 reports
             self.step = step + 1
             nonfinite = all_reduce_scalar(1.0 if getattr(self, "_skipped_this_step", False) else 0.0, "max") > 0
             self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
@@ -343,11 +391,22 @@ class Trainer:
                                     f"(last at step {self.step}); lower trainer.lr, check the reward scale, or "
                                     "use float32/bfloat16 instead of float16")
             every = cfg.checkpoint.every
-            if (every and self.step % every == 0) or (every and self.step == total):
+            saved = bool(every) and (self.step % every == 0 or self.step == total)
+            if saved:
                 self.save_checkpoint()
+            # Preemption: one rank got the signal; all of them stop here, at the same step boundary.
+            if self.step < total and all_reduce_scalar(1.0 if _preempt_requested else 0.0, "max") > 0:
+                if not saved:
+                    self.save_checkpoint()
+                self.preempted = True
+                if dist.is_main:
+                    log.warning("preempted: checkpoint of step %d written; stopping so that the job is requeued "
+                                "(it resumes from this step)", self.step)
+                break
         if dist.is_main:
             self.client.close()  # leaves the weight-sync group before the servers see done.json
-            write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
+            if not self.preempted:
+                write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
             self.metrics.close()
 
     def save_checkpoint(self) -> None:

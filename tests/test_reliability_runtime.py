@@ -1,0 +1,135 @@
+"""Failures while a local run trains: a reward function that returns NaN stops the run with one line; a killed
+trainer rank fails the job fast, naming the rank and node; one rollout server killed (-9) and another
+SIGSTOPped mid-run: the client times out, retries on the remaining server, and the run completes."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
+SMALL = ["trainer.prompts_per_step=8", "trainer.mini_batch_size=32", "logging.tensorboard=false",
+         "checkpoint.every=0"]
+pytestmark = pytest.mark.slow
+
+NAN_REWARD = '''
+calls = 0
+
+
+def score(prompt, completion, **row):
+    """Finite for the 64 samples of step 1, NaN from step 2 on."""
+    global calls
+    calls += 1
+    return float("nan") if calls > 64 else 0.5
+'''
+
+
+def _start(cwd: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    log = cwd / "out.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "-m", "hpc_rl.cli", "run", str(TOY), *SMALL, *overrides], cwd=cwd,
+                         stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return p, log
+
+
+def _wait_text(proc, log: Path, pattern: str, timeout: float = 400) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if re.search(pattern, log.read_text(errors="replace")):
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"run exited ({proc.returncode}) before {pattern!r}:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"timed out after {timeout}s waiting for {pattern!r}:\n{log.read_text()[-3000:]}")
+
+
+def _pid_of(cwd: Path, *words: str, env_has: str | None = None) -> int:
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd = (d / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            environ = (d / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if any(str(cwd) in c for c in cmd) and all(w in cmd for w in words) and (env_has is None or env_has in environ):
+            return int(d.name)
+    raise AssertionError(f"no process {words} {env_has} under {cwd}")
+
+
+def _run_dir(cwd: Path) -> Path:
+    return next((cwd / "runs").iterdir())
+
+
+def _no_processes_left(cwd: Path) -> bool:
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and str(cwd).encode() in (d / "cmdline").read_bytes():
+                state = (d / "stat").read_text().split(")")[-1].split()[0]
+                if state != "Z":
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def test_reward_returning_nan_stops_the_run_with_one_line(tmp_path):
+    (tmp_path / "nan_reward.py").write_text(NAN_REWARD)
+    proc, log = _start(tmp_path, "trainer.steps=4", "reward.function=nan_reward:score")
+    rc = proc.wait(timeout=600)
+    out = log.read_text(errors="replace")
+    assert rc == 2, out[-3000:]
+    assert "Traceback" not in out
+    errors = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(errors) == 1, out[-3000:]
+    assert "reward.function nan_reward:score: sample 0 returned nan; rewards must be finite" in errors[0]
+    assert [r["step"] for r in read_metrics(_run_dir(tmp_path) / "metrics.jsonl")] == [1]
+    assert _no_processes_left(tmp_path)
+
+
+def test_trainer_rank_death_fails_fast_naming_rank_and_node(tmp_path):
+    proc, log = _start(tmp_path, "trainer.steps=40")
+    _wait_text(proc, log, r"step 2/40 ")
+    os.kill(_pid_of(tmp_path, "hpc_rl.train.main", env_has="RANK=1"), signal.SIGKILL)
+    t0 = time.time()
+    rc = proc.wait(timeout=120)
+    took = time.time() - t0
+    out = log.read_text(errors="replace")
+    assert rc != 0
+    assert f"trainer rank 1 was killed by SIGKILL on {os.uname().nodename}; stopping the job" in out, out[-3000:]
+    assert took < 30, f"the launcher took {took:.1f}s to notice the dead rank"
+    assert _no_processes_left(tmp_path)
+    print(f"\nrank death noticed and job stopped in {took:.1f}s")
+
+
+def test_rollout_server_killed_and_another_stopped_run_completes(tmp_path):
+    steps = 8
+    proc, log = _start(tmp_path, f"trainer.steps={steps}", "rollout.servers_per_node=3",
+                       "rollout.request_timeout_s=10", "rollout.retries=2")
+    _wait_text(proc, log, r"step 2/8 ")
+    os.kill(_pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "0"), signal.SIGKILL)
+    stopped = _pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "1")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        rc = proc.wait(timeout=600)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-4000:]
+    rows = read_metrics(_run_dir(tmp_path) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert "rollout server 0" in out and "rollout server 1" in out  # both failures were reported
+    assert _no_processes_left(tmp_path)
+

@@ -1,0 +1,102 @@
+"""Preemption on the real local Slurm cluster: the warning signal (what `--signal=USR2@N` delivers, sent here
+with scancel) -> every trainer rank stops at the same step boundary with a checkpoint -> submitit requeues ->
+the same run dir resumes with new rollout servers -> COMPLETED, same step count and data order, requeue count
+in `hpc-rl status`. While it runs: the run's token is on no command line, in no environment, in neither the
+sbatch script nor `scontrol show job`."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster.helpers import hpc_rl, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
+
+from hpc_rl import config  # noqa: E402
+from hpc_rl.cluster import slurmq  # noqa: E402
+from hpc_rl.data.sampler import indices_for_step  # noqa: E402
+from hpc_rl.rundir import read_json  # noqa: E402
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+STEPS = 10
+
+
+def _rows(run: Path) -> list[dict]:
+    if not (run / "metrics.jsonl").exists():
+        return []
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _processes_naming(run: Path) -> dict[int, tuple[bytes, bytes]]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if str(run).encode() in cmd + env:
+            out[int(d.name)] = (cmd, env)
+    return out
+
+
+def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=1",
+               f"trainer.steps={STEPS}", "checkpoint.every=0", "trainer.prompts_per_step=8",
+               "trainer.mini_batch_size=32", "slurm.signal_delay_s=60", timeout=300)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    wait_for(lambda: len(_rows(run)) >= 2, 900, f"job {job_id} to train 2 steps\n{run_logs(run)}", poll_s=1)
+
+    # The token: never on a command line, in an environment, in the sbatch script or in scontrol's view.
+    token = (run / "token").read_text().strip().encode()
+    procs = _processes_naming(run)
+    assert len(procs) >= 4, procs  # submitit tasks, 2 trainer ranks, the rollout server
+    for pid, (cmd, env) in procs.items():
+        assert token not in cmd and token not in env, f"token visible in process {pid}: {cmd[:200]!r}"
+    script = next((run / "submitit").glob("*_submission.sh")).read_bytes()
+    assert token not in script
+    shown = subprocess.run(["scontrol", "show", "job", "-dd", str(job_id)], capture_output=True, timeout=60)
+    assert shown.returncode == 0 and str(job_id).encode() in shown.stdout
+    assert token not in shown.stdout + shown.stderr
+    batch = subprocess.run(["scontrol", "write", "batch_script", str(job_id), "-"], capture_output=True, timeout=60)
+    assert token not in batch.stdout
+
+    before = len(_rows(run))
+    t_signal = time.time()
+    sig = subprocess.run(["scancel", "--signal=USR2", str(job_id)], capture_output=True, text=True, timeout=60)
+    assert sig.returncode == 0, sig.stderr
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
+                     f"job {job_id} to be requeued and end\n{run_logs(run)}", poll_s=3)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    assert final["requeues"] == 1, final
+    table = hpc_rl("status", "--runs-dir", str(tmp_path)).stdout
+    assert "COMPLETED (requeued 1x)" in table, table
+
+    log0 = (run / "logs" / "trainer-0.log").read_text()
+    m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
+    assert m, run_logs(run)
+    k = int(m.group(1))
+    assert before <= k < STEPS
+    assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
+    assert "Traceback" not in log0
+
+    rows = _rows(run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    cfg = config.load(run / "job.yaml")
+    for r in rows:  # the data order of an uninterrupted run
+        assert r["prompt_ids"] == indices_for_step(cfg.data.toy_size, 8, cfg.seed, r["step"] - 1)
+        assert r["policy_version"] == r["step"]
+    # New rollout servers after the requeue (the preamble cleared the old addresses), weights re-pushed.
+    assert (run / "rendezvous" / "done.json").is_file()
+    resumed_at = (run / "metrics.jsonl").stat().st_mtime
+    out = next(iter(sorted((run / "submitit").glob("*_0_log.out")))).read_text()
+    assert "requeued 1 time(s)" in out or "attempt 2" in out, out[-2000:]
+    print(f"\npreempted at step {k}; signal -> job completed {resumed_at - t_signal:.0f}s")
