@@ -127,6 +127,41 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
                             preexec_fn=_die_with_parent())
 
 
+MAX_SERVER_RESTARTS = 3
+
+
+class ServerKeeper:
+    """This launcher's rollout servers; one that dies before the run ends is restarted on this node (at most
+    MAX_SERVER_RESTARTS times each). `procs` is updated in place, so stop_processes always sees the live ones."""
+
+    def __init__(self, run: RunDir, cfg: JobConfig, indices: list[int], devices: dict | None = None):
+        self.run, self.cfg = run, cfg
+        self.devices = devices or {}
+        self.indices = list(indices)
+        self.procs = [start_rollout_server(run, cfg, k, self.devices.get(k)) for k in self.indices]
+        self.restarts = {k: 0 for k in self.indices}
+
+    def check(self) -> tuple[int, int | None] | None:
+        """Restart dead servers (from the launcher's main thread: PR_SET_PDEATHSIG follows the forking
+        thread); returns (index, exit code) of one that is out of restarts, else None."""
+        if self.run.done_file.exists():
+            return None
+        for j, (k, p) in enumerate(zip(self.indices, self.procs)):
+            code = p.poll()
+            if code is None:
+                continue
+            # A clean exit (0, SIGTERM) was asked for (Slurm ending the job, scancel): not restarted.
+            if code in (0, -signal.SIGTERM) or self.restarts[k] >= MAX_SERVER_RESTARTS:
+                return k, code
+            self.restarts[k] += 1
+            log.warning("rollout server %d exited with code %s on %s; restarting it (%d/%d). Last lines of "
+                        "logs/rollout-%d.log:\n%s", k, code, os.uname().nodename, self.restarts[k],
+                        MAX_SERVER_RESTARTS, k, _tail(self.run.logs / f"rollout-{k}.log", 5))
+            self.run.rollout_file(k).unlink(missing_ok=True)  # the old address is gone; the new one is published
+            self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k))
+        return None
+
+
 def _tee(src, path: Path, echo: bool) -> None:
     with open(path, "ab") as f:
         for line in iter(src.readline, b""):
@@ -223,16 +258,21 @@ def _drain(trainers: list[subprocess.Popen]) -> None:
             tee.join(timeout=5)
 
 
-def wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen]) -> int:
-    """Wait for every rank; the first one that fails stops all others at once (no hang until a timeout)."""
+def wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen],
+                  keeper: ServerKeeper | None = None) -> int:
+    """Wait for every rank; the first one that fails stops all others at once (no hang until a timeout).
+    With a keeper, dead rollout servers are restarted meanwhile."""
     try:
-        return _wait_trainers(run, trainers, others)
+        return _wait_trainers(run, trainers, others, keeper)
     finally:
         _drain(trainers)
 
 
-def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen]) -> int:
+def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen],
+                   keeper: ServerKeeper | None) -> int:
     while True:
+        if keeper is not None:
+            keeper.check()  # out of restarts: the trainer's client reports the missing servers
         codes = [p.poll() for p in trainers]
         failed = [(p, c) for p, c in zip(trainers, codes) if c not in (None, 0)]
         if failed:
@@ -259,13 +299,14 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     """The whole job on this machine: rollout server(s), then the trainer ranks; waits for the end."""
     clear_rendezvous(run)
     n_servers = rollout_server_count(cfg)
-    servers = []
+    servers: list[subprocess.Popen] = []
     trainers: list[subprocess.Popen] = []
     try:
         devs = list(cfg.rollout.local_devices)
         per = cfg.rollout.tensor_parallel
-        for k in range(n_servers):
-            servers.append(start_rollout_server(run, cfg, k, devs[k * per:(k + 1) * per] if devs else None))
+        keeper = ServerKeeper(run, cfg, list(range(n_servers)),
+                              {k: devs[k * per:(k + 1) * per] for k in range(n_servers)} if devs else None)
+        servers = keeper.procs
         log.info("run dir %s: %d rollout server(s), %d trainer rank(s)", run.root, n_servers, cfg.world_size)
         if cfg.trainer.nodes != 1:
             log.warning("trainer.nodes=%d: a local run uses this machine only (%d ranks)", cfg.trainer.nodes,
@@ -273,7 +314,7 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
             cfg.trainer.nodes = 1
             run.job_yaml.write_text(config.dump(cfg))
         trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"))
-        code = wait_trainers(run, trainers, servers)
+        code = wait_trainers(run, trainers, servers, keeper)
     except KeyboardInterrupt:
         stop_processes(trainers + servers)
         raise
@@ -345,7 +386,8 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
         _node_trainers[:] = ranks
         return wait_trainers(run, ranks, [])
     first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
-    servers = [start_rollout_server(run, cfg, first + j) for j in range(cfg.rollout.servers_per_node)]
+    keeper = ServerKeeper(run, cfg, list(range(first, first + cfg.rollout.servers_per_node)))
+    servers = keeper.procs
     log.info("node %d (%s): rollout server(s) %s", node_index, os.uname().nodename,
              list(range(first, first + len(servers))))
     try:
@@ -353,9 +395,9 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
             if run.done_file.exists():
                 stop_processes(servers)
                 return 0
-            dead = [(first + j, p.poll()) for j, p in enumerate(servers) if p.poll() is not None]
+            dead = keeper.check()
             if dead:
-                k, code = dead[0]
+                k, code = dead
                 log.error("rollout server %d exited with code %s on %s; last lines:\n%s", k, code,
                           os.uname().nodename, _tail(run.logs / f"rollout-{k}.log"))
                 stop_processes(servers)

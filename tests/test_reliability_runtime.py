@@ -131,5 +131,8 @@ def test_rollout_server_killed_and_another_stopped_run_completes(tmp_path):
     rows = read_metrics(_run_dir(tmp_path) / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert "rollout server 0" in out and "rollout server 1" in out  # both failures were reported
+    # The launcher restarted the killed server on this node (the stopped one is alive, so it stays).
+    assert re.search(r"rollout server 0 exited with code -9 on \S+; restarting it \(1/3\)", out), out[-4000:]
+    assert "rollout server 1 exited" not in out
     assert _no_processes_left(tmp_path)
 
