@@ -1,0 +1,28 @@
+"""The toy jobs learn on a 2-core CPU within minutes (issue criterion): the mean reward of the last 5 steps is
+at least 0.8 and at least 0.6 above the first step's."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpc_rl.metrics import read_metrics
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize("job", ["toy-grpo-cpu.yaml", "toy-ppo-cpu.yaml"])
+def test_toy_job_learns(job, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / job), "checkpoint.every=0"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    rewards = [row["reward_mean"] for row in read_metrics(run / "metrics.jsonl")]
+    first, last5 = rewards[0], sum(rewards[-5:]) / 5
+    print(f"{job}: first {first:.3f}, last-5 mean {last5:.3f}, curve {[round(x, 2) for x in rewards[::5]]}")
+    assert last5 >= 0.8, rewards
+    assert last5 - first >= 0.6, rewards
