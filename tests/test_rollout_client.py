@@ -1,5 +1,6 @@
 """RolloutClient against two real servers: load balancing, failover after SIGKILL, error messages."""
 
+import json
 import logging
 import os
 import signal
@@ -125,13 +126,16 @@ def test_killed_server_work_moves_to_the_other(pair, caplog):
 def test_wait_ready_timeout_names_missing_servers(pair):
     (pair.run.logs / "rollout-2.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
     c = client_for(pair.run)
+    c.layout = (2, 3, 1)  # trainer.nodes, rollout.nodes, rollout.servers_per_node
     t0 = time.monotonic()
     with pytest.raises(RolloutError) as ei:
         c.wait_ready(3, timeout_s=2)
     assert time.monotonic() - t0 < 15
     msg = str(ei.value)
-    assert "server 1 at http://127.0.0.1:" in msg  # killed: its file is there but it does not answer
-    assert "server 2 wrote no rollout-2.json" in msg and "CUDA out of memory" in msg
+    host = json.loads(pair.run.rollout_file(1).read_text())["hostname"]
+    # killed: its file is there but it does not answer
+    assert f"server 1 (node {host}) at http://127.0.0.1:" in msg
+    assert "server 2 (node index 4 of the job) wrote no rollout-2.json" in msg and "CUDA out of memory" in msg
     assert "127.0.0.1" in msg and "server 0" not in msg
     c.close()
 

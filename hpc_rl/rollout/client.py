@@ -95,6 +95,8 @@ class RolloutClient:
         self.servers: dict[int, Server] = {}
         self.pushed_version: int | None = None
         self.expected = 0
+        # (trainer.nodes, rollout.nodes, rollout.servers_per_node): names a missing server's node in errors.
+        self.layout: tuple[int, int, int] | None = None
         self.refresh()
 
     @classmethod
@@ -106,8 +108,10 @@ class RolloutClient:
             import torch
 
             dev = "cuda" if torch.cuda.is_available() else "cpu"
-        return cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries, weight_sync=r.weight_sync,
-                   trainer_device=dev)
+        client = cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries,
+                     weight_sync=r.weight_sync, trainer_device=dev)
+        client.layout = (cfg.trainer.nodes, r.nodes, r.servers_per_node)
+        return client
 
     # ------------------------------------------------------------------ discovery
 
@@ -174,11 +178,23 @@ class RolloutClient:
             where = (f"at {srv.url} not healthy ({srv.last_error})" if srv
                      else f"wrote no {self.run.rollout_file(idx).name}")
             tail = _log_tail(self.run.logs / f"rollout-{idx}.log")
-            missing.append(f"server {idx} {where}" + (f"; log tail: {tail}" if tail else ""))
+            missing.append(f"server {idx} ({self._node_of(idx, srv)}) {where}" + (f"; log tail: {tail}" if tail else ""))
         raise RolloutError(f"rollout servers not ready after {timeout_s:.0f}s: {'; '.join(missing)}. Usual causes: "
                            "the server crashed (see RUN/logs/rollout-K.log), it is bound to 127.0.0.1 "
                            "(set rollout.host: 0.0.0.0), a firewall blocks the port, or startup needs more "
                            "time (raise rollout.startup_timeout_s)")
+
+    def _node_of(self, idx: int, srv) -> str:
+        """Which node runs server `idx`: its hostname once published, else its place in the job layout."""
+        info = read_json(self.run.rollout_file(idx)) or {}
+        if info.get("hostname"):
+            return f"node {info['hostname']}"
+        if self.layout is None:
+            return "node unknown"
+        trainer_nodes, rollout_nodes, per_node = self.layout
+        if rollout_nodes == 0:
+            return "on the first trainer node"
+        return f"node index {trainer_nodes + idx // per_node} of the job"
 
     def _healthy(self) -> list[Server]:
         live = [s for s in self.servers.values() if s.healthy]
