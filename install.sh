@@ -15,7 +15,7 @@ usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no
   --env venv|conda    env kind (default: conda when conda/mamba/micromamba is found, else venv)
   --prefix DIR        where the env lives (default: REPO/.venv)
   --no-vllm           skip vLLM (rollouts then use the HF engine)
-  --test-extras       also install the test/data/plot extras (pytest, hypothesis, pyarrow, ...)
+  --test-extras       also install the test/data/plot/bench extras (pytest, hypothesis, pyarrow, trl, ...)
   --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster
                       (CI/dev machines only: needs root and apt-get; skipped otherwise)
   --python PY         interpreter for the venv (default: python3; >= 3.10)
@@ -224,7 +224,7 @@ verify "the env's python runs and pip works" \
 
 # ------------------------------------------------------------------ 2. the project
 EXTRAS=""
-[ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots]"
+[ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots,bench]"
 step 2 "project: pip install --no-deps -e . (then its dependencies${EXTRAS:+ and extras $EXTRAS})" \
     "the project's dependencies must be installable from your pip index (pip config list); see the log"
 if probe "
@@ -244,8 +244,11 @@ for r in requires('hpc-rl') or []:
     result "already installed (editable, from $REPO) with its dependencies; skipped"
 else
     run "${PIP[@]}" install --no-deps -e "$REPO"
-    # The project is installed now, so this call resolves only its dependencies from the index.
-    run "${PIP[@]}" install -e "$REPO$EXTRAS" ${EXTRA_PINS:+$EXTRA_PINS}
+    # The project is installed now, so this call resolves only its dependencies from the index. Some of
+    # them (accelerate, trl) need torch: the stack's pin goes along, or pip would pull the newest
+    # (CUDA) torch here only for step 3 to replace it.
+    torch_index_args
+    run "${PIP[@]}" install "${TORCH_INDEX_ARGS[@]}" -e "$REPO$EXTRAS" "$TORCH_SPEC" ${EXTRA_PINS:+$EXTRA_PINS}
 fi
 verify "hpc_rl imports from the repo" \
     'import hpc_rl, importlib.metadata as m; v = m.version("hpc-rl"); print(f"hpc-rl {v} from {hpc_rl.__path__[0]}")'
