@@ -136,3 +136,36 @@ def test_rollout_server_killed_and_another_stopped_run_completes(tmp_path):
     assert "rollout server 1 exited" not in out
     assert _no_processes_left(tmp_path)
 
+
+def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path):
+    """The only server hangs (SIGSTOP: alive, so the launcher does not restart it) -> past the client's
+    timeout and retries the run stops, keeping a checkpoint of the last finished step."""
+    proc, log = _start(tmp_path, "trainer.steps=40", "rollout.request_timeout_s=10", "rollout.retries=1")
+    _wait_text(proc, log, r"step 2/40 ")
+    stopped = _pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "0")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        rc = proc.wait(timeout=300)
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+    out = log.read_text(errors="replace")
+    assert rc == 2, out[-3000:]
+    assert "Traceback" not in out
+    err = [ln for ln in out.splitlines() if "error:" in ln]
+    assert len(err) == 1, out[-3000:]
+    m = re.search(r"step (\d+): no rollout server answered; checkpoint of step (\d+) kept", err[0])
+    assert m, err[0]
+    tail = err[0].split("logs/rollout-0.log: ")[1]  # the server's last log lines
+    assert "weights" in tail or "serving" in tail or "generate" in tail, err[0]
+    kept = int(m.group(2))
+    run = _run_dir(tmp_path)
+    rows = read_metrics(run / "metrics.jsonl")
+    assert kept == rows[-1]["step"] >= 2  # every finished step is kept
+    from hpc_rl.rundir import RunDir
+    from hpc_rl.train import checkpoint
+
+    assert checkpoint.find_latest(RunDir(run)) == checkpoint.step_dir(RunDir(run), kept)
+    assert _no_processes_left(tmp_path)

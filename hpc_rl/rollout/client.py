@@ -329,7 +329,11 @@ class RolloutClient:
                 log.warning("push_weights v%d: collective failed (%s); sending this version over http", version, e)
                 self._close_sender()
                 transport = "http"
-                nbytes = self._push_http(named, version, self._healthy())
+                live = self._healthy()
+                if not live:  # the only server(s) died: no pool of 0 workers, a RolloutError the trainer handles
+                    raise RolloutError(f"push_weights v{version}: no healthy rollout server left ({e}); check "
+                                       "RUN/logs/rollout-K.log") from None
+                nbytes = self._push_http(named, version, live)
         elif transport == "http":
             nbytes = self._push_http(named_tensors, version, servers)
         else:
