@@ -97,6 +97,23 @@ def test_collective_push_survives_a_killed_server(pair, caplog):
     assert c.push_weights(list(m.state_dict().items()), version=4)["transport"] == "collective"
     assert c._sender.servers == [c.servers[0].url]
     assert c.generate(PROMPTS, PARAMS, step=4).policy_versions == [4] * 6
+
+    # The launcher restarts the dead server: it serves stale (initial) weights, so it gets no work
+    # until the next push, which it joins and which brings it to the current version.
+    pair.procs[1] = spawn_server(pair.run, 1)
+    wait_rendezvous(pair.run, 1, pair.procs[1])
+    assert c.generate(PROMPTS, PARAMS, step=4).policy_versions == [4] * 6
+    c.refresh()
+    assert not c.servers[1].healthy
+    with caplog.at_level(logging.INFO, logger="hpc_rl"):
+        assert c.push_weights(list(m.state_dict().items()), version=5)["transport"] == "collective"
+    assert any("rejoins" in r.getMessage() for r in caplog.records)
+    assert sorted(c._sender.servers) == sorted(s.url for s in c.servers.values())
+    assert c.servers[1].session.get(c.servers[1].url + "/version", timeout=5).json()["policy_version"] == 5
+    res = c.generate(PROMPTS, PARAMS, step=5)
+    assert res.policy_versions == [5] * 6 and res.outputs == pair.baseline
+    m1 = c.servers[1].session.get(c.servers[1].url + "/metrics", timeout=5).json()
+    assert m1["generate_requests"] >= 1  # the rejoined server took its share
     c.close()
 
 

@@ -133,7 +133,9 @@ class RolloutClient:
             if old is None or old.url != info["url"]:
                 if old is not None:
                     old.session.close()
-                self.servers[idx] = Server(idx, info["url"], self._session())
+                # A server that (re)starts after a weight push serves stale weights: it gets no work until
+                # the next push brings it up to date (see _rejoin).
+                self.servers[idx] = Server(idx, info["url"], self._session(), healthy=self.pushed_version is None)
 
     def _health(self, srv: Server) -> dict | None:
         try:
@@ -207,6 +209,15 @@ class RolloutClient:
             if h is not None and (self.pushed_version is None or h.get("policy_version") == self.pushed_version):
                 s.healthy = True
         return sorted((s for s in self.servers.values() if s.healthy), key=lambda s: s.index)
+
+    def _rejoin(self) -> None:
+        """Servers restarted (or back) since they dropped out join this push, which gives them the current
+        weights; a push that fails for one takes it out again."""
+        self.refresh()
+        for s in self.servers.values():
+            if not s.healthy and self._health(s) is not None:
+                log.info("rollout server %d at %s answers again; it rejoins with this weight push", s.index, s.url)
+                s.healthy = True
 
     def _mark_dead(self, srv: Server, cause: str) -> None:
         if srv.healthy:
@@ -304,6 +315,7 @@ class RolloutClient:
 
     def push_weights(self, named_tensors: Iterable, version: int) -> dict:
         """Send the actor's HF state dict to every healthy server; returns {"seconds", "bytes", "transport"}."""
+        self._rejoin()
         servers = self._healthy()
         if not servers:
             raise RolloutError(f"push_weights v{version}: no healthy rollout server; check RUN/logs/rollout-K.log")
