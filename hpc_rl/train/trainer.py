@@ -59,6 +59,10 @@ class Trainer:
         self.engines = {"actor": self.actor}
         if self.critic is not None:
             self.engines["critic"] = self.critic
+        if debug:
+            log.debug("placement: rank %d/%d (local %d) on %s, device %s, backend %s, %d torch threads, pid %d",
+                      dist.rank, dist.world_size, dist.local_rank, os.uname().nodename, dist.device, dist.backend,
+                      torch.get_num_threads(), os.getpid())
         if debug and dist.is_main:
             log.debug("engines built in %.1fs: actor%s%s on %s x %d (%s)", time.time() - t0,
                       " + critic" if self.critic else "", " + reference" if self.ref else "", self.device_kind,
@@ -151,7 +155,7 @@ class Trainer:
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(self.dataset.rows[i]["id"]) for i in idx]}
         if debug:
-            log.debug("step %d: %d prompts x %d samples, response tokens %d, sample: %r -> %r (%.2f)", step,
+            log.debug("step %d: %d prompts x %d samples, response tokens %d, sample: %r -> %r (%.2f)", step + 1,
                       len(idx), a.group_size, gen_tokens, self.dataset.texts[idx[0]], texts[0], scores[0])
         return {"prompts": prompt_ids, "responses": resp_ids, "scores": shaped.tolist(), "stats": stats}
 
@@ -235,6 +239,10 @@ class Trainer:
             values = batched_forward(value_forward, self.critic, batch, micro)
         t_fwd = time.time() - t0
         adv, returns, kl_tok = self._advantages(batch, scores, old_lp, ref_lp, values, seq_adv)
+        if debug and dist.is_main:
+            log.debug("step %d shapes: %d samples, this rank's shard input_ids %s (prompt %d + response %d), "
+                      "micro-batch %d; no-grad forwards %.2fs", step + 1, n, tuple(batch.input_ids.shape),
+                      batch.prompt_len, batch.responses.shape[1], micro, t_fwd)
         mask = batch.response_mask
 
         t0 = time.time()
@@ -270,6 +278,10 @@ class Trainer:
                   "sync_seconds": t_sync, "sync_bytes": sync.get("bytes", 0),
                   "sync_max_diff": sync.get("max_diff"), "step_seconds": time.time() - t_start,
                   "policy_version": self.policy_version})
+        if debug:
+            log.debug("step %d timings: generate %.2fs, reward %.2fs, no-grad forwards %.2fs, update %.2fs, "
+                      "weight sync %.2fs (%s, %d bytes), total %.2fs", step + 1, m["gen_seconds"], m["reward_seconds"],
+                      t_fwd, t_update, t_sync, sync.get("transport", "-"), sync.get("bytes", 0), m["step_seconds"])
         return m
 
     def _check_sync(self, prompt: list[int], response: list[int]) -> float | None:
