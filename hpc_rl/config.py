@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -284,14 +285,19 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             # YAML 1.1 reads "1e-6" as a string; accept numeric strings for floats only.
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            if not math.isfinite(number):
+                raise ConfigError(f"{key}: {value!r} is not a finite number; give a finite value")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -401,6 +407,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(t.critic_lr is None or t.critic_lr > 0, "trainer.critic_lr must be > 0")
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
+    need(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip must be > 0 (or null); got {cfg.reward.clip}")
     need(t.check_sync_every >= 0 and t.sync_tolerance > 0,
          "trainer.check_sync_every must be >= 0 and trainer.sync_tolerance > 0")
     samples = cfg.samples_per_step

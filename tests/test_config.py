@@ -103,3 +103,14 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
     assert r.stderr.strip() == "hpc-rl: error: trainer.stpes: unknown key; did you mean 'trainer.steps'?"
     assert "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.parametrize("override,message", [
+    ("reward.clip=.nan", "reward.clip: nan is not a finite number"),
+    ("trainer.lr=.inf", "trainer.lr: inf is not a finite number"),
+    ("trainer.lr=nan", "trainer.lr: 'nan' is not a finite number"),
+    ("reward.clip=-1", "reward.clip must be > 0"),
+])
+def test_non_finite_numbers_are_rejected(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load(TOY, [override])

@@ -213,11 +213,10 @@ def test_missing_pad_token_uses_eos_and_warns_once(tiny_model, tmp_path, caplog)
     cfg.pop("pad_token", None)
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     caplog.set_level(logging.WARNING, logger="hpc_rl")
-    logging.getLogger("hpc_rl").propagate = True
     tok = load_tokenizer(d)
     load_tokenizer(d)
     assert tok.pad_token == tok.eos_token == "<eos>"
-    assert sum("no pad_token" in r.message for r in caplog.records) == 1
+    assert sum("no pad_token" in r.message for r in caplog.records) == 1, [(r.name, r.message) for r in caplog.records]
 
 
 def test_missing_model_folder_is_a_user_error(tmp_path):
