@@ -382,7 +382,7 @@ def register_server_routes(service) -> None:
                 secs = target.collective_receive(version, plan)
                 service.policy_version = version
             service.count("weight_updates")
-            log.info("weights: loaded version %d over the collective in %.3fs", version, secs)
+            log.info("weights: policy_version %d loaded over the collective in %.3fs", version, secs)
             return secs
 
         def ok(secs):
