@@ -437,7 +437,9 @@ class CollectiveSender:
         self.last_bytes = 0
 
     # ---- HTTP helpers
-    def _req(self, method: str, url: str, body: dict | None = None) -> dict:
+    def _req(self, method: str, url: str, body: dict | None = None, timeout_s: float | None = None) -> dict:
+        """One authorized request; a server that does not answer within timeout_s (default: the sender's
+        timeout, i.e. rollout.request_timeout_s) is an error, so a hung server cannot stall the trainer."""
         import requests
 
         if self._session is None:
@@ -445,7 +447,8 @@ class CollectiveSender:
             self._session.trust_env = False  # never route cluster-internal traffic through a user's proxy
             self._session.headers["Authorization"] = f"Bearer {self.token}"
         try:
-            r = self._session.request(method, url, json=body, timeout=60)
+            r = self._session.request(method, url, json=body,
+                                      timeout=self.timeout_s if timeout_s is None else timeout_s)
         except requests.RequestException as e:
             raise CollectiveError(f"weight sync: {url} unreachable ({type(e).__name__}); is the rollout server up?") from None
         if r.status_code != 200:
@@ -485,7 +488,10 @@ class CollectiveSender:
         for s in self.servers:
             while True:
                 left = deadline - time.monotonic()
-                st = self._req("POST", f"{s}/collective/wait", {"version": version, "timeout_s": max(0.0, min(left, 30.0))})
+                wait = max(0.0, min(left, 30.0))
+                # The server holds a long poll for `wait` seconds: give the HTTP request that much more.
+                st = self._req("POST", f"{s}/collective/wait", {"version": version, "timeout_s": wait},
+                               timeout_s=wait + min(self.timeout_s, 30.0))
                 if st.get("error"):
                     raise CollectiveError(f"weight sync: {s} failed to load weights version {version}: {st['error']}")
                 if st.get("version") == version and not st.get("busy"):
