@@ -114,16 +114,15 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
-def create(output_dir: str | Path, name: str) -> RunDir:
-    """A new `OUTPUT/NAME-YYYYmmdd-HHMMSS` (0700) with a fresh token (0600)."""
+def new_stamped_dir(output_dir: str | Path, name: str, fix: str = "choose a writable output_dir") -> Path:
+    """A new, unique `OUTPUT/NAME-YYYYmmdd-HHMMSS[-N]` folder (0700); ConfigError naming output_dir if not."""
     base = Path(output_dir)
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"output_dir: cannot create {base} ({e.strerror}); choose a writable output_dir") from None
+        raise ConfigError(f"output_dir: cannot create {base} ({e.strerror}); {fix}") from None
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    root = base / f"{name}-{stamp}"
-    n = 1
+    root, n = base / f"{name}-{stamp}", 1
     while True:
         try:
             root.mkdir(mode=0o700)
@@ -131,8 +130,14 @@ def create(output_dir: str | Path, name: str) -> RunDir:
         except FileExistsError:
             n += 1
             root = base / f"{name}-{stamp}-{n}"
-    os.chmod(root, 0o700)
-    run = RunDir(root.resolve())
+    os.chmod(root, 0o700)  # mkdir's mode is filtered by the umask
+    return root.resolve()
+
+
+def create(output_dir: str | Path, name: str) -> RunDir:
+    """A new `OUTPUT/NAME-YYYYmmdd-HHMMSS` (0700) with a fresh token (0600)."""
+    root = new_stamped_dir(output_dir, name)
+    run = RunDir(root)
     fd = os.open(run.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))

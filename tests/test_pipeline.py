@@ -1,7 +1,6 @@
 """`hpc-rl run` end to end on this machine: ZeRO-3 over 2 ranks, HF rollout server, weight sync checked
 every step, checkpoints (HF + DeepSpeed), export, resume with the same data order and the same results."""
 
-import json
 import os
 import stat
 import subprocess

@@ -6,7 +6,6 @@ sbatch script nor `scontrol show job`."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import hpc_rl, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
+from cluster.helpers import hpc_rl, metrics_rows, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
 
 from hpc_rl import config  # noqa: E402
 from hpc_rl.cluster import slurmq  # noqa: E402
@@ -26,11 +25,6 @@ from hpc_rl.rundir import read_json  # noqa: E402
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 10
 
-
-def _rows(run: Path) -> list[dict]:
-    if not (run / "metrics.jsonl").exists():
-        return []
-    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
 def _processes_naming(run: Path) -> dict[int, tuple[bytes, bytes]]:
@@ -53,7 +47,7 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
                "trainer.mini_batch_size=32", "slurm.signal_delay_s=60", timeout=300)
     run = submitted_run_dir(p.stdout)
     job_id = read_json(run / "slurm.json")["job_id"]
-    wait_for(lambda: len(_rows(run)) >= 2, 900, f"job {job_id} to train 2 steps\n{run_logs(run)}", poll_s=1)
+    wait_for(lambda: len(metrics_rows(run)) >= 2, 900, f"job {job_id} to train 2 steps\n{run_logs(run)}", poll_s=1)
 
     # The token: never on a command line, in an environment, in the sbatch script or in scontrol's view.
     token = (run / "token").read_text().strip().encode()
@@ -69,7 +63,7 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
     batch = subprocess.run(["scontrol", "write", "batch_script", str(job_id), "-"], capture_output=True, timeout=60)
     assert token not in batch.stdout
 
-    before = len(_rows(run))
+    before = len(metrics_rows(run))
     t_signal = time.time()
     sig = subprocess.run(["scancel", "--signal=USR2", str(job_id)], capture_output=True, text=True, timeout=60)
     assert sig.returncode == 0, sig.stderr
@@ -88,7 +82,7 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
     assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
     assert "Traceback" not in log0
 
-    rows = _rows(run)
+    rows = metrics_rows(run)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     cfg = config.load(run / "job.yaml")
     for r in rows:  # the data order of an uninterrupted run

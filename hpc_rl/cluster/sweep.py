@@ -30,7 +30,7 @@ import yaml
 
 from .. import config
 from ..errors import ClusterError, ConfigError
-from ..rundir import RunDir, read_json, write_json_atomic
+from ..rundir import RunDir, new_stamped_dir, read_json, write_json_atomic
 from .layout import check_layout, total_nodes
 from .render import SUBMITIT_DIR, executor_params, submitit_command
 from .submit import SLURM_JSON
@@ -224,20 +224,7 @@ def render_array(cfgs: list[config.JobConfig], sweep_root: Path, name: str, max_
 
 
 def _create_sweep_dir(output_dir: str, name: str) -> Path:
-    base = Path(output_dir)
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"output_dir: cannot create {base} ({e.strerror}); set output_dir in the sweep file") from None
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    root, n = base / f"{name}-{stamp}", 1
-    while True:
-        try:
-            root.mkdir(mode=0o700)
-            return root.resolve()
-        except FileExistsError:
-            n += 1
-            root = base / f"{name}-{stamp}-{n}"
+    return new_stamped_dir(output_dir, name, fix="set output_dir in the sweep file")
 
 
 def find_sweep(sweep: str | Path, sweeps_dir: str | Path = DEFAULT_OUTPUT) -> Path:

@@ -128,6 +128,13 @@ def tail(path: Path, n: int = 40) -> str:
         return f"({path} missing)"
 
 
+def metrics_rows(run: Path) -> list[dict]:
+    """The complete rows of a run's metrics.jsonl ([] before the first step)."""
+    from hpc_rl.metrics import read_metrics
+
+    return read_metrics(run / "metrics.jsonl")
+
+
 def run_logs(run: Path) -> str:
     """Last lines of every log of a run (for assertion messages)."""
     files = sorted((run / "submitit").glob("*_log.*")) + sorted((run / "logs").glob("*"))
