@@ -200,6 +200,9 @@ class SlurmConfig:
     exclusive: bool = False
     signal_delay_s: int = 120
     requeue: bool = True
+    # After a crash of the trainer (a rank died, a node was lost), requeue the job up to this many
+    # times; it resumes from the latest checkpoint (0 = fail the job).
+    requeue_on_failure: int = 0
     mail_user: Optional[str] = None
     mail_type: Optional[str] = None
     array_parallelism: Optional[int] = None
@@ -447,6 +450,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep_last >= 1,
          "checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
     need(cfg.slurm.signal_delay_s >= 0, "slurm.signal_delay_s must be >= 0")
+    need(cfg.slurm.requeue_on_failure >= 0, "slurm.requeue_on_failure must be >= 0 (0 disables it)")
     need(cfg.slurm.gpus_per_node >= 0, "slurm.gpus_per_node must be >= 0")
     if cfg.slurm.gpus_per_node and cfg.trainer.device != "cpu":
         need(t.procs_per_node <= cfg.slurm.gpus_per_node,

@@ -43,6 +43,34 @@ def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     return int(run_node(run, node_index, num_nodes) or 0)
 
 
+def requeue_after_failure(run_dir: Path, rc: int) -> bool:
+    """Requeue the job after a trainer crash, while slurm.requeue_on_failure allows; True when requeued.
+
+    Exit code 2 (a user error: bad data, a failing reward) is never retried: it would fail again.
+    """
+    import subprocess
+
+    from .. import config
+
+    run = RunDir(run_dir)
+    allowed = config.from_resolved(run.job_yaml).slurm.requeue_on_failure
+    done = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
+    array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    job = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
+    if not job or done >= allowed:
+        if allowed:
+            log.error("the trainer failed (exit code %d) and the job was already requeued %d time(s) "
+                      "(slurm.requeue_on_failure=%d): giving up", rc, done, allowed)
+        return False
+    log.error("the trainer failed (exit code %d); requeueing job %s (%d of slurm.requeue_on_failure=%d): it "
+              "resumes from the latest checkpoint", rc, job, done + 1, allowed)
+    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        log.error("scontrol requeue %s failed: %s", job, (r.stderr or r.stdout).strip())
+        return False
+    return True
+
+
 class NodeTask:
     """The callable submitit runs once per node (one task per node)."""
 
@@ -54,6 +82,9 @@ class NodeTask:
 
         env = submitit.JobEnvironment()
         rc = run_this_node(self.run_dir, env.node, env.num_nodes)
+        # Any node may ask: the first to see the crash requeues the whole job (later asks are refused).
+        if rc not in (0, 2) and requeue_after_failure(Path(self.run_dir), rc):
+            return rc  # Slurm now ends this attempt and starts the job again
         if rc != 0:
             # An exception makes submitit record the failure and exit non-zero, so that srun
             # (--kill-on-bad-exit) ends the other nodes and Slurm shows the job FAILED.
