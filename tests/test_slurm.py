@@ -118,9 +118,8 @@ def test_cancel_ends_every_process_of_the_job(slurm_cluster, tmp_path):
 def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     """Trainer ranks on n1+n2 (gloo across namespaces), the rollout server on n3 reached by address,
     weights synced every step, checkpoints in the run dir, COMPLETED in `hpc-rl status`.
-    Learning criterion (a looser variant of the toy's 0.8, for 4 ranks on 2 shared cores): the mean
-    reward of the last 10 of 40 steps is >= 0.4 and >= 0.3 above the first 5 steps' (chance ~0.03;
-    measured here: 0.07 -> 0.54)."""
+    Learning criterion: the core issue's own — the mean reward of the last 5 steps is >= 0.8 and at
+    least 0.6 above the first step's (chance ~0.03; measured here with 4 ranks: 0.065 -> 0.99)."""
     run = _submit("trainer.nodes=2", "rollout.nodes=1", out=tmp_path)
     job_id = read_json(run / "slurm.json")["job_id"]
     follow = subprocess.Popen([sys.executable, "-m", "hpc_rl.cli", "logs", str(run), "--role", "rollout", "--follow"],
@@ -153,8 +152,8 @@ def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     assert (run / "checkpoints" / f"step_{steps}" / "hf" / "config.json").is_file()
     assert (run / "checkpoints" / "latest").exists()
     rewards = [r["reward_mean"] for r in rows]
-    first5, last10 = sum(rewards[:5]) / 5, sum(rewards[-10:]) / 10
-    assert last10 >= 0.4 and last10 - first5 >= 0.3, rewards
+    last5 = sum(rewards[-5:]) / 5
+    assert last5 >= 0.8 and last5 - rewards[0] >= 0.6, rewards
 
     st = hpc_rl("status", "--runs-dir", str(tmp_path)).stdout
     assert run.name in st and "COMPLETED" in st
