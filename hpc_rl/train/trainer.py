@@ -70,6 +70,7 @@ class Trainer:
         self.step = 0
         self.preempted = False
         self.nonfinite_in_a_row = 0
+        self._skipped_this_step = False  # set by _update: an optimizer step of this RL step was discarded
         self.policy_version = 0
         self.client = None
         self.metrics = None
@@ -389,7 +390,7 @@ class Trainer:
                                        f"{self.step} kept, resume with `hpc-rl run JOB --resume RUN`: {e}") from None
                 return  # the other ranks stop quietly; rank 0 reports
             self.step = step + 1
-            nonfinite = all_reduce_scalar(1.0 if getattr(self, "_skipped_this_step", False) else 0.0, "max") > 0
+            nonfinite = all_reduce_scalar(1.0 if self._skipped_this_step else 0.0, "max") > 0
             self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
             if dist.is_main:
                 if nonfinite:
