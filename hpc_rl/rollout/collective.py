@@ -102,6 +102,15 @@ class SyncGroup:
         self.pg = self.store = None
 
 
+def _shutdown(pg) -> None:
+    """Leave a weight-sync process group; a group already broken by a dead peer is simply dropped."""
+    if pg is not None:
+        try:
+            pg.shutdown()
+        except Exception:
+            pass
+
+
 def join_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
                timeout_s: float, device: str = "cpu"):
     """Join the weight-sync group (rank 0 hosts the TCPStore); returns the backend ProcessGroup."""
@@ -250,12 +259,8 @@ class LocalCollective:
         return time.perf_counter() - t0
 
     def collective_close(self) -> None:
-        pg, self.pg = self.pg, None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:
-                pass
+        _shutdown(self.pg)
+        self.pg = None
 
 
 class _ReceiverState:
@@ -559,12 +564,8 @@ class CollectiveSender:
         Leaving first: a server still waiting in a receive (an update that failed elsewhere) sees the
         connection drop and gives up at once instead of holding its engine until the group times out.
         """
-        pg, self.pg = self.pg, None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:
-                pass
+        _shutdown(self.pg)
+        self.pg = None
         for s in self.servers:
             try:
                 self._req("POST", f"{s}/collective/close", {})
