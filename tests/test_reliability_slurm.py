@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import hpc_rl, metrics_rows, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
+from cluster.helpers import hpc_rl, metrics_rows, processes_naming, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
 
 from hpc_rl import config  # noqa: E402
 from hpc_rl.cluster import slurmq  # noqa: E402
@@ -25,20 +25,6 @@ from hpc_rl.rundir import read_json  # noqa: E402
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 10
 
-
-
-def _processes_naming(run: Path) -> dict[int, tuple[bytes, bytes]]:
-    out = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes()
-        except OSError:
-            continue
-        if str(run).encode() in cmd + env:
-            out[int(d.name)] = (cmd, env)
-    return out
 
 
 def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
@@ -51,7 +37,7 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
 
     # The token: never on a command line, in an environment, in the sbatch script or in scontrol's view.
     token = (run / "token").read_text().strip().encode()
-    procs = _processes_naming(run)
+    procs = processes_naming(run)
     assert len(procs) >= 4, procs  # submitit tasks, 2 trainer ranks, the rollout server
     for pid, (cmd, env) in procs.items():
         assert token not in cmd and token not in env, f"token visible in process {pid}: {cmd[:200]!r}"

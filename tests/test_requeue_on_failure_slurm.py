@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import hpc_rl, metrics_rows, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
+from cluster.helpers import hpc_rl, metrics_rows, processes_naming, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
 
 from hpc_rl.cluster import slurmq  # noqa: E402
 from hpc_rl.rundir import read_json  # noqa: E402
@@ -23,15 +23,9 @@ STEPS = 8
 
 def _rank_pid(run: Path, rank: int) -> int | None:
     """The pid of trainer rank `rank` of this run (found through its environment)."""
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hpc_rl.train.main" in cmd and str(run).encode() in cmd and f"RANK={rank}".encode() in env:
-            return int(d.name)
+    for pid, (cmd, env) in processes_naming(run).items():
+        if b"hpc_rl.train.main" in cmd and str(run).encode() in cmd and f"RANK={rank}".encode() in env.split(b"\0"):
+            return pid
     return None
 
 

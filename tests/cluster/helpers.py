@@ -128,6 +128,21 @@ def tail(path: Path, n: int = 40) -> str:
         return f"({path} missing)"
 
 
+def processes_naming(run: Path) -> dict[int, tuple[bytes, bytes]]:
+    """{pid: (cmdline, environ)} of every process whose command line or environment names the run dir."""
+    out = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            cmd, env = (d / "cmdline").read_bytes(), (d / "environ").read_bytes()
+        except OSError:
+            continue
+        if str(run).encode() in cmd + env:
+            out[int(d.name)] = (cmd, env)
+    return out
+
+
 def metrics_rows(run: Path) -> list[dict]:
     """The complete rows of a run's metrics.jsonl ([] before the first step)."""
     from hpc_rl.metrics import read_metrics
