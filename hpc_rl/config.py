@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-from .errors import ConfigError
+from .errors import ConfigError, first_line
 
 
 # --------------------------------------------------------------------------- sections
@@ -156,6 +156,10 @@ class RolloutConfig:
     stop: list = field(default_factory=list)
     tensor_parallel: int = 1
     gpu_memory_utilization: float = 0.2
+    # vLLM's KV cache in bytes (its kv_cache_memory_bytes), on CPU and GPU. null: on CPU derived from the job
+    # (concurrent sequences x max_model_len x the model's K/V bytes per token), on GPU sized by vLLM from
+    # gpu_memory_utilization; 0: always from gpu_memory_utilization (on CPU a fraction of a NUMA node's RAM).
+    kv_cache_bytes: Optional[int] = None
     max_model_len: int = 256
     enforce_eager: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -433,6 +437,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1]; got {r.top_p}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
     need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
+    need(r.kv_cache_bytes is None or r.kv_cache_bytes >= 0,
+         f"rollout.kv_cache_bytes must be >= 0 bytes (null derives it from the job); got {r.kv_cache_bytes}")
     need(r.tensor_parallel >= 1, "rollout.tensor_parallel must be >= 1")
     need(r.max_model_len > cfg.data.max_prompt_tokens,
          f"rollout.max_model_len ({r.max_model_len}) must exceed data.max_prompt_tokens "
@@ -490,7 +496,7 @@ def load(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        problem = getattr(e, "problem", None) or first_line(e)
         raise ConfigError(f"{path}:{where}: invalid YAML ({problem}); fix the syntax there") from None
     return load_dict(data, overrides)
 

@@ -1,8 +1,32 @@
 """User-facing errors: one line naming the cause and the fix; the CLI prints them and exits 2."""
 
+from __future__ import annotations
+
+# str.splitlines() breaks on all of these; a message printed as "one line" must contain none of them.
+_LINE_BREAKS = {c: repr(c)[1:-1] for c in "\n\r\v\f\x1c\x1d\x1e\x85\u2028\u2029"}
+_FOLD = str.maketrans(_LINE_BREAKS)
+
+
+def one_line(text: str) -> str:
+    """`text` with every line-break character written as its escape (a key "a\\nb" stays visible)."""
+    return text.translate(_FOLD)
+
+
+def first_line(e: BaseException | str, limit: int = 200) -> str:
+    """The first non-empty line of an error's message (at most `limit` characters), else its type name."""
+    text = e if isinstance(e, str) else str(e)
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()[:limit]
+    return "" if isinstance(e, str) else type(e).__name__
+
 
 class HpcRlError(Exception):
-    """An error the user can fix; its message is one line naming the cause and the fix."""
+    """An error the user can fix; its message is one line naming the cause and the fix, whatever the
+    input it quotes (line breaks in a quoted key or value are shown escaped)."""
+
+    def __str__(self) -> str:
+        return one_line(super().__str__())
 
 
 class ConfigError(HpcRlError):

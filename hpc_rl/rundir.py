@@ -16,6 +16,9 @@ from pathlib import Path
 
 from .errors import ConfigError, HpcRlError
 
+# A new run writes 64 hex characters; anything this short was not written by hpc-rl.
+MIN_TOKEN_CHARS = 16
+
 
 @dataclass(frozen=True)
 class RunDir:
@@ -72,6 +75,10 @@ class RunDir:
         """Written by rollout server `index` once it serves: {index, host, port, url, hostname, pid, engine}."""
         return self.rendezvous / f"rollout-{index}.json"
 
+    def server_failure_file(self, index: int) -> Path:
+        """Written by the launcher of rollout server `index` when it gives up on it: {index, node, code, error}."""
+        return self.rendezvous / f"failed-rollout-{index}.json"
+
     @property
     def master_file(self) -> Path:
         """Written by the first trainer node: {addr, port} for torch.distributed rendezvous."""
@@ -83,27 +90,65 @@ class RunDir:
         return self.rendezvous / "done.json"
 
     def read_token(self) -> str:
+        """The run's secret; an empty one would make `Authorization: Bearer ` pass, so it is an error."""
         try:
-            return self.token_file.read_text().strip()
+            token = self.token_file.read_text().strip()
         except FileNotFoundError:
             raise HpcRlError(f"{self.token_file}: the run's token is missing; the run dir is incomplete "
                              "(start the run again with `hpc-rl run` or `hpc-rl submit`)") from None
+        if len(token) < MIN_TOKEN_CHARS:
+            raise HpcRlError(f"{self.token_file}: the run's token is empty or shorter than {MIN_TOKEN_CHARS} "
+                             "characters; write a new one (python -c 'import secrets; print(secrets.token_hex(32))' "
+                             f"> {self.token_file}) or start the run again")
+        return token
 
     def ensure_layout(self) -> None:
         for d in (self.rendezvous, self.logs, self.checkpoints, self.weights):
             d.mkdir(parents=True, exist_ok=True)
 
 
-def write_json_atomic(path: Path, data: dict, mode: int | None = None) -> None:
-    """Write JSON under a temporary name, then rename: readers never see half a file."""
+def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
+    """Write under a temporary name, flush, rename, flush the directory: readers never see half a file,
+    and after a crash the file is the old one or the new one."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     if mode is not None:
         os.chmod(tmp, mode)
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: dict, mode: int | None = None) -> None:
+    """write_text_atomic of `data` as JSON."""
+    write_text_atomic(path, json.dumps(data, indent=1), mode)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory's entries (new names, renames) to disk."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """Flush every file under `root`, then every directory bottom-up, `root` last: after a crash the tree is
+    either all on disk or its rename never happened (a right-sized but unflushed file would pass a size check)."""
+    dirs = []
+    for d, _, files in os.walk(root):
+        dirs.append(d)
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for d in reversed(dirs):
+        fsync_dir(Path(d))
 
 
 def read_json(path: Path) -> dict | None:

@@ -114,3 +114,14 @@ def test_cli_prints_one_line_and_exits_2(tmp_path):
 def test_non_finite_numbers_are_rejected(override, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load(TOY, [override])
+
+
+def test_a_key_with_a_line_break_gives_a_one_line_error():
+    """Found by the mutation test on a fresh clone: the unknown-key message quoted the key's newline."""
+    for data in ({"trainer": {"a\nb": 1}}, {"a\u2028b": {}}, {"rollout": {"x\r\n": 2}}):
+        with pytest.raises(ConfigError) as e:
+            config.load_dict(data)
+        msg = str(e.value)
+        assert len(msg.splitlines()) == 1 and "unknown key" in msg, repr(msg)
+    with pytest.raises(ConfigError, match=r"trainer\.a\\nb: unknown key"):
+        config.load_dict({"trainer": {"a\nb": 1}})

@@ -105,3 +105,43 @@ def test_prune_never_deletes_latest(run):
     (run.checkpoints / "latest").write_text("step_1")
     checkpoint._prune(run, 2, checkpoint.step_dir(run, 1))
     assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_1", "step_3", "step_4"]
+
+
+class _ShardWriter:
+    """Writes what DeepSpeed's save_checkpoint leaves on disk (a shard file under DIR/TAG), nothing else."""
+
+    def save_checkpoint(self, save_dir, tag, save_latest):
+        d = os.path.join(save_dir, tag)
+        os.makedirs(d)
+        torch.save({"w": torch.arange(64, dtype=torch.float32)}, os.path.join(d, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+
+
+def test_save_flushes_every_file_and_directory_before_the_rename(run, monkeypatch):
+    """A node crash after the rename must not leave a right-sized but unflushed shard that passes verify():
+    every file and directory of the checkpoint is fsynced before the rename, the parent directory after it."""
+    from transformers import PretrainedConfig
+
+    events = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(a, b):
+        events.append(("rename", str(a), str(b)))
+        real_rename(a, b)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    final = checkpoint.save(run, 3, {"actor": _ShardWriter()}, {"step": 3}, {"w": torch.ones(4, 4)},
+                            PretrainedConfig(), None, keep_last=2, rank=0)
+    assert checkpoint.verify(final)
+    (i,) = [k for k, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
+    tmp = events[i][1]
+    synced = {e[1] for e in events[:i] if e[0] == "fsync"}
+    written = [p for p in final.rglob("*")]
+    assert len([p for p in written if p.is_file()]) >= 4  # shard, safetensors, config, state, manifest
+    for p in written + [final]:
+        assert tmp + str(p)[len(str(final)):] in synced, f"{p} was not flushed before the rename"
+    assert str(run.checkpoints) in {e[1] for e in events[i + 1:] if e[0] == "fsync"}, "rename not made durable"

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from ..config import DataConfig
-from ..errors import DataError
+from ..errors import DataError, first_line
 from .toy import toy_corpus, toy_rows
 
 # verl's parquet rows carry the reference answer under reward_model.ground_truth.
@@ -65,7 +65,7 @@ def _read_parquet(path: Path) -> list[dict]:
     try:
         return pq.read_table(path).to_pylist()
     except Exception as e:  # pyarrow raises many types for a corrupt file
-        raise DataError(f"{path}: cannot read parquet ({str(e).splitlines()[0]}); check the file") from None
+        raise DataError(f"{path}: cannot read parquet ({first_line(e)}); check the file") from None
 
 
 def _read_hf(name: str, split: str) -> list[dict]:
@@ -82,7 +82,7 @@ def _read_hf(name: str, split: str) -> list[dict]:
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:
         raise DataError(f"data.source: cannot load HF dataset {name!r} split {split!r} "
-                        f"({str(e).splitlines()[0]}); check the name/folder and data.split") from None
+                        f"({first_line(e)}); check the name/folder and data.split") from None
     return [dict(r) for r in ds]
 
 

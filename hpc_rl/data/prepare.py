@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from ..errors import DataError
+from ..errors import DataError, first_line
 from ..rewards.gsm8k import ground_truth_of
 
 HUB_NAME, HUB_CONFIG = "openai/gsm8k", "main"
@@ -49,7 +49,7 @@ def _read_file(path: Path) -> list[dict]:
         try:
             return pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow raises many types for a bad file
-            raise DataError(f"{path}: cannot read parquet ({str(e).splitlines()[0]})") from None
+            raise DataError(f"{path}: cannot read parquet ({first_line(e)})") from None
     rows = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
@@ -75,7 +75,7 @@ def load_source(source: Optional[str]) -> dict[str, list[dict]]:
         try:
             ds = datasets.load_dataset(HUB_NAME, HUB_CONFIG)
         except Exception as e:  # offline, proxy, hub errors: all end here
-            raise DataError(f"cannot download {HUB_NAME} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            raise DataError(f"cannot download {HUB_NAME} ({type(e).__name__}: {first_line(e)}); "
                             "run this on a machine with internet, or pass --source a local copy") from None
         return {s: list(ds[s]) for s in SPLITS if s in ds}
     p = Path(source)

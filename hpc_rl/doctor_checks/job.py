@@ -5,7 +5,9 @@ from __future__ import annotations
 import ipaddress
 import json
 from pathlib import Path
+
 from ..doctor import FAIL, OK, WARN, Ctx, Result, check
+from ..errors import first_line
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
@@ -49,7 +51,7 @@ def check_pad_token(ctx: Ctx) -> Result:
     try:
         tok = AutoTokenizer.from_pretrained(str(p), trust_remote_code=ctx.job.model.trust_remote_code)
     except Exception as e:  # any loader error is the user's folder
-        return Result("job:pad-token", FAIL, f"the tokenizer in {p} does not load ({str(e).splitlines()[0][:200]})",
+        return Result("job:pad-token", FAIL, f"the tokenizer in {p} does not load ({first_line(e)})",
                       "save a working tokenizer there (tokenizer.save_pretrained)")
     if tok.pad_token is not None:
         pid = tok.convert_tokens_to_ids(tok.pad_token)

@@ -6,7 +6,7 @@ import logging
 import warnings
 from pathlib import Path
 
-from ..errors import ModelError
+from ..errors import ModelError, first_line
 
 log = logging.getLogger("hpc_rl")
 _warned_pad: set[str] = set()
@@ -40,7 +40,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(f"model.path: cannot load a tokenizer from {path} ({str(e).splitlines()[0]}); "
+        raise ModelError(f"model.path: cannot load a tokenizer from {path} ({first_line(e)}); "
                          "the folder needs tokenizer.json or tokenizer_config.json") from None
     vocab = _model_vocab_size(path)
     # Some tokenizer classes invent a default pad token (Qwen2: '<|endoftext|>') that the model's

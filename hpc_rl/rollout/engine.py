@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..errors import first_line
+
 if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for the client
     import torch
 
@@ -88,7 +90,7 @@ def make_engine(cfg: "JobConfig", device: str = "cpu") -> Engine:
     try:
         import vllm  # noqa: F401
     except Exception as e:  # ImportError, or a broken install raising anything at import
-        log.info("rollout engine: hf (rollout.engine=auto; vllm does not import: %s)", str(e).splitlines()[0] if str(e) else type(e).__name__)
+        log.info("rollout engine: hf (rollout.engine=auto; vllm does not import: %s)", first_line(e))
         from .engine_hf import HFEngine
 
         return HFEngine(cfg, device)
@@ -99,7 +101,7 @@ def make_engine(cfg: "JobConfig", device: str = "cpu") -> Engine:
         log.info("rollout engine: vllm (rollout.engine=auto)")
         return eng
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        msg = first_line(e)
         log.warning("rollout engine: hf (rollout.engine=auto; the vLLM engine could not start: %s)", msg)
         from .engine_hf import HFEngine
 

@@ -11,7 +11,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..errors import RolloutError
+from ..errors import RolloutError, first_line
 
 # The client cuts the state dict into buckets of about this many bytes (one tensor never splits).
 BUCKET_BYTES = 64 * 1024 * 1024
@@ -79,7 +79,7 @@ def tensors_from_bytes(data: bytes) -> list[tuple[str, torch.Tensor]]:
     try:
         return list(load(data).items())
     except Exception as e:  # safetensors raises its own SafetensorError / ValueError
-        raise WeightError(f"weights: the request body is not a safetensors file ({str(e).splitlines()[0]}); "
+        raise WeightError(f"weights: the request body is not a safetensors file ({first_line(e)}); "
                           "send safetensors bytes") from None
 
 
@@ -131,7 +131,7 @@ def load_path(path: Path) -> list[tuple[str, torch.Tensor]]:
         except FileNotFoundError:
             raise WeightError(f"weights: {f} does not exist; check the path on the shared filesystem") from None
         except Exception as e:
-            raise WeightError(f"weights: {f} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            raise WeightError(f"weights: {f} is not a readable safetensors file ({first_line(e)})") from None
     return out
 
 

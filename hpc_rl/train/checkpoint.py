@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..rundir import RunDir, find, write_json_atomic
+from ..rundir import RunDir, find, fsync_tree, write_json_atomic, write_text_atomic
 from .distributed import barrier
 
 log = logging.getLogger("hpc_rl")
@@ -95,17 +95,19 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
     barrier()
     for name, engine in engines.items():
         engine.save_checkpoint(str(tmp / "deepspeed" / name), tag="state", save_latest=False)
+    # Each rank flushes what it wrote, from its own node (a shared filesystem's client cache is per node).
+    fsync_tree(tmp / "deepspeed")
     barrier()
     if rank == 0:
         if hf_state_dict is not None:
             save_hf_folder(hf_state_dict, model_config, tokenizer, tmp / "hf")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         write_json_atomic(tmp / "manifest.json", _manifest(tmp))
+        fsync_tree(tmp)
         if final.exists():  # a re-run of this step after a resume
             shutil.rmtree(final)
         os.rename(tmp, final)
-        (run.checkpoints / ".latest.tmp").write_text(final.name)
-        os.replace(run.checkpoints / ".latest.tmp", run.checkpoints / "latest")
+        write_text_atomic(run.checkpoints / "latest", final.name)  # also makes the rename above durable
         _prune(run, keep_last, final)
     barrier()
     return final if rank == 0 else None
