@@ -51,9 +51,14 @@ def bare_generate(run_dir: Path, rows: list[dict], reps: int) -> dict:
     tok = load_tokenizer(cfg.model.path)
     ds = PromptDataset(cfg.data, tok, cfg.seed)
     by_id = {int(r["id"]): i for i, r in enumerate(ds.rows)}
+    from hpc_rl.rollout.engine_vllm import kv_cache_bytes
+
     r = cfg.rollout
-    llm = LLM(model=cfg.model.path, dtype=r.dtype if r.dtype != "auto" else cfg.model.dtype, enforce_eager=True,
-              max_model_len=r.max_model_len, gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed)
+    dtype = r.dtype if r.dtype != "auto" else cfg.model.dtype
+    # The same KV cache as the project's engine (an absolute size: a fraction depends on the NUMA layout).
+    llm = LLM(model=cfg.model.path, dtype=dtype, enforce_eager=True, max_model_len=r.max_model_len,
+              gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_memory_bytes=kv_cache_bytes(cfg, "cpu", dtype),
+              seed=cfg.seed)
     times, toks = [], []
     steps = (rows * (reps // max(len(rows), 1) + 2))[:reps + 1]
     for k, m in enumerate(steps):

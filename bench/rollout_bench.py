@@ -69,7 +69,8 @@ def bench_generate(cfg, path: str, ps, max_new: int, reps: int) -> tuple[dict, o
     r = cfg.rollout
     t0 = time.perf_counter()
     llm = LLM(model=path, dtype=eng.dtype, enforce_eager=True, max_model_len=r.max_model_len,
-              gpu_memory_utilization=r.gpu_memory_utilization, seed=cfg.seed, disable_log_stats=True)
+              gpu_memory_utilization=r.gpu_memory_utilization, kv_cache_memory_bytes=eng.kv_cache_bytes,
+              seed=cfg.seed, disable_log_stats=True)
     bare_start = time.perf_counter() - t0
     sp = SamplingParams(n=1, max_new_tokens=max_new, seed=0)
     vsps = [VSP(max_tokens=max_new, seed=i, logprobs=0, detokenize=False) for i in range(len(ps))]
@@ -197,7 +198,7 @@ def run_model(label: str, tiny: TinyModelConfig, n_prompts: int, max_new: int, w
               dtype: str) -> dict:
     path = build_tiny_model(tiny, CORPUS, work / label)
     cfg = load_dict({"model": {"path": str(path)},
-                     "rollout": {"engine": "vllm", "dtype": dtype, "gpu_memory_utilization": 0.05}})
+                     "rollout": {"engine": "vllm", "dtype": dtype}})
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     ps = prompts(n_prompts, vocab)
     gen, eng = bench_generate(cfg, str(path), ps, max_new, reps)

@@ -2,14 +2,15 @@
 
 import ipaddress
 import math
+import pathlib
 
 import pytest
 import torch
 
+from hpc_rl.netutil import advertise_host
 from hpc_rl.rollout import protocol
 from hpc_rl.rollout.client import chunk_seed, split_contiguous
 from hpc_rl.rollout.engine_hf import filter_logits
-from hpc_rl.rollout.server import advertise_host
 from hpc_rl.rollout.weights import (WeightError, bucket_bytes_of, buckets, load_path, prune_versions,
                                     tensors_from_bytes, validate_named_tensors, write_version)
 
@@ -130,7 +131,32 @@ def test_advertise_host(monkeypatch):
     addr = ipaddress.ip_address(advertise_host("0.0.0.0"))
     assert addr.version == 4
     import socket
-    from hpc_rl.rollout.server import _iface_ipv4
+    from hpc_rl.netutil import interface_ipv4 as _iface_ipv4
     others = [ip for _, n in socket.if_nameindex() if (ip := _iface_ipv4(n)) and not ip.startswith("127.")]
     if others:
         assert not addr.is_loopback
+
+
+def test_kv_cache_bytes_from_the_job(tmp_path):
+    """Hand-computed: the toy vLLM job's tiny Qwen2 (2 layers, 2 KV heads of 64, fp32) holds 2*2*2*64*4 = 2048
+    bytes of K/V per token; 16 prompts x 8 samples = 128 sequences of one 256-token block each -> 64 MiB."""
+    from hpc_rl.config import TinyModelConfig, load
+    from hpc_rl.data.toy import repeat_digit_corpus
+    from hpc_rl.models.tiny import build_tiny_model
+    from hpc_rl.rollout.engine_vllm import kv_bytes_per_token, kv_cache_bytes
+
+    path = build_tiny_model(TinyModelConfig(), repeat_digit_corpus(), tmp_path / "m")
+    assert kv_bytes_per_token(str(path), "float32") == 2048
+    assert kv_bytes_per_token(str(path), "bfloat16") == 1024
+    job = pathlib.Path(__file__).resolve().parents[1] / "jobs" / "toy-grpo-vllm-cpu.yaml"
+    cfg = load(job, ["model.tiny=null", f"model.path={path}"])
+    assert kv_cache_bytes(cfg, "cpu", "float32") == 128 * 256 * 2048 == 64 << 20
+    cfg.rollout.max_model_len = 300  # two blocks per sequence
+    assert kv_cache_bytes(cfg, "cpu", "float32") == 128 * 512 * 2048
+    cfg.rollout.tensor_parallel = 2  # each worker holds half of the heads
+    assert kv_cache_bytes(cfg, "cpu", "float32") == 128 * 512 * 2048 // 2
+    assert kv_cache_bytes(cfg, "cuda", "float32") is None  # GPU: vLLM sizes it from gpu_memory_utilization
+    cfg.rollout.kv_cache_bytes = 12345678
+    assert kv_cache_bytes(cfg, "cuda", "float32") == kv_cache_bytes(cfg, "cpu", "float32") == 12345678
+    cfg.rollout.kv_cache_bytes = 0  # 0: vLLM's fraction everywhere
+    assert kv_cache_bytes(cfg, "cpu", "float32") is None

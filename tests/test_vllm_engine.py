@@ -166,3 +166,21 @@ def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_kv_cache_that_does_not_fit_names_the_number_and_the_knob(tiny_path):
+    """The KV cache is an absolute size; one that cannot fit fails at start with the MiB it asked for and the
+    key that sets it (not a fraction of a NUMA node whose meaning depends on the machine)."""
+    if not HAVE_VLLM:
+        pytest.skip(WHY)
+    from hpc_rl.config import load_dict
+    from hpc_rl.errors import ModelError
+    from hpc_rl.rollout.engine_vllm import VLLMEngine
+
+    huge = 1 << 50  # 1 PiB
+    cfg = load_dict({"model": {"path": str(tiny_path)}, "rollout": {"engine": "vllm", "kv_cache_bytes": huge}})
+    with pytest.raises(ModelError) as e:
+        VLLMEngine(cfg, "cpu")
+    msg = str(e.value)
+    assert f"a KV cache of {huge / 2**20:.0f} MiB (rollout.kv_cache_bytes={huge})" in msg, msg
+    assert "\n" not in msg

@@ -36,7 +36,7 @@ def srv(tmp_path_factory, tiny_model):
         pytest.skip(WHY)
     base = tmp_path_factory.mktemp("vllm-server")
     run = make_run(base / "runs", tiny_model, engine="vllm", dtype="float32", max_model_len=64,
-                   gpu_memory_utilization=0.05, request_timeout_s=120, retries=0)
+                   request_timeout_s=120, retries=0)
     t0 = time.monotonic()
     proc, info = start_server(run, 0, timeout_s=STARTUP_LIMIT_S, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     s = requests.Session()

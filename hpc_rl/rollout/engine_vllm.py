@@ -25,7 +25,7 @@ import uuid
 
 import torch
 
-from ..errors import ModelError
+from ..errors import ModelError, first_line
 from ..models.loading import check_model_dir
 from .engine import Engine, SampleOut, SamplingParams
 
@@ -37,6 +37,43 @@ WORKER_EXT = "hpc_rl.rollout.vllm_worker.HpcRlWorkerExtension"
 def _vllm_dtype(name: str) -> str:
     # "auto" would keep a checkpoint's fp32 (tiny models); bf16 is what vLLM's CPU and GPU kernels expect.
     return "bfloat16" if name in (None, "auto") else name
+
+
+# vLLM allocates the KV cache in blocks; CPU attention backends use blocks of up to 256 tokens, so each
+# sequence is budgeted in whole blocks of this size (a small over-estimate for short sequences).
+KV_BLOCK_TOKENS = 256
+# vLLM's default scheduler limit on concurrent sequences on CPU and most GPUs: more never run at once.
+MAX_CONCURRENT_SEQS = 256
+
+
+def kv_bytes_per_token(model_path: str, dtype: str) -> int:
+    """K and V bytes one token takes over all layers: 2 x layers x kv_heads x head_dim x dtype size."""
+    import json
+    from pathlib import Path
+
+    c = json.loads((Path(model_path) / "config.json").read_text())
+    c = c.get("text_config") or c
+    heads = int(c["num_attention_heads"])
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or c["hidden_size"] // heads)
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 2)
+    return 2 * int(c["num_hidden_layers"]) * kv_heads * head_dim * size
+
+
+def kv_cache_bytes(cfg, device: str, dtype: str) -> int | None:
+    """The KV cache to ask vLLM for (per worker), or None to let gpu_memory_utilization size it.
+
+    On CPU vLLM's fraction is of one NUMA node's RAM and its own baseline memory comes out of it, so whether
+    an engine starts depended on the machine's NUMA layout; an absolute size from the job does not."""
+    r = cfg.rollout
+    if r.kv_cache_bytes is not None:
+        return int(r.kv_cache_bytes) or None
+    if not str(device).startswith("cpu"):
+        return None
+    seqs = min(cfg.samples_per_step, MAX_CONCURRENT_SEQS)
+    seq_tokens = -(-int(r.max_model_len) // KV_BLOCK_TOKENS) * KV_BLOCK_TOKENS
+    per_worker = kv_bytes_per_token(cfg.model.path, dtype) * seqs * seq_tokens // max(1, int(r.tensor_parallel))
+    return max(per_worker, 1 << 20)
 
 
 class VLLMEngine(Engine):
@@ -55,9 +92,11 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
         from vllm.engine.arg_utils import AsyncEngineArgs
 
+        self.kv_cache_bytes = kv_cache_bytes(cfg, device, self.dtype)
         self._args = AsyncEngineArgs(
             model=self.path, tokenizer=self.path, dtype=self.dtype, seed=self.seed,
             tensor_parallel_size=self.tensor_parallel, gpu_memory_utilization=float(r.gpu_memory_utilization),
+            kv_cache_memory_bytes=self.kv_cache_bytes,
             max_model_len=int(r.max_model_len), enforce_eager=bool(r.enforce_eager),
             trust_remote_code=bool(cfg.model.trust_remote_code), logprobs_mode="raw_logprobs",
             worker_extension_cls=WORKER_EXT, disable_log_stats=True, skip_tokenizer_init=False)
@@ -70,15 +109,21 @@ class VLLMEngine(Engine):
             self._llm = self._run(self._start(), timeout=float(r.startup_timeout_s))
         except Exception as e:
             self._stop_loop()
-            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ModelError(f"rollout: vLLM could not start on {self.path} ({msg}); on CPU lower "
-                             "rollout.gpu_memory_utilization (a fraction of one NUMA node's RAM) or "
-                             "use rollout.engine=hf") from e
+            if self.kv_cache_bytes is not None:
+                budget = (f"it asked for a KV cache of {self.kv_cache_bytes / 2**20:.0f} MiB "
+                          f"(rollout.kv_cache_bytes={r.kv_cache_bytes if r.kv_cache_bytes is not None else 'null: derived'}); "
+                          "free memory on this node, lower rollout.kv_cache_bytes or rollout.max_model_len,")
+            else:
+                budget = (f"it sized the KV cache from rollout.gpu_memory_utilization={r.gpu_memory_utilization}; "
+                          "set rollout.kv_cache_bytes to an absolute size, lower the fraction,")
+            raise ModelError(f"rollout: vLLM could not start on {self.path} ({first_line(e)}): {budget} or use "
+                             "rollout.engine=hf (the engine core's own error is in the lines above)") from e
         self.startup_seconds = time.perf_counter() - t0
         self._specs: dict | None = None
         self._lock = threading.Lock()  # weight updates are exclusive with each other
-        log.info("vllm engine up in %.1fs (%s, dtype %s, tp %d)", self.startup_seconds, self.path, self.dtype,
-                 self.tensor_parallel)
+        log.info("vllm engine up in %.1fs (%s, dtype %s, tp %d, kv cache %s)", self.startup_seconds, self.path,
+                 self.dtype, self.tensor_parallel,
+                 f"{self.kv_cache_bytes / 2**20:.0f} MiB" if self.kv_cache_bytes else "from gpu_memory_utilization")
 
     # ------------------------------------------------------------------ loop plumbing
     async def _start(self):
