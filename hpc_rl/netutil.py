@@ -1,10 +1,19 @@
-"""Addresses and ports: what a node advertises to the others, and free ports."""
+"""This node's address and free ports: the one place every process (launcher, trainer master, rollout server,
+weight-sync group) asks "which address do the other nodes reach me by?"."""
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import os
 import socket
+import struct
+
+# Set by a user to force the advertised address (e.g. a node's InfiniBand IP name).
+ADVERTISE_ENV = "HPC_RL_ADVERTISE_HOST"
+# Set per node by the Slurm task (cluster/env.py) before any process starts, so all of them agree.
+NODE_ADDR_ENV = "HPC_RL_NODE_ADDR"
+_SIOCGIFADDR = 0x8915
 
 
 def free_port(host: str = "") -> int:
@@ -14,34 +23,58 @@ def free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-def _is_loopback(addr: str) -> bool:
+def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
-        return False
+        return addr == "localhost"
 
 
-def _route_address() -> str | None:
-    """The source address the kernel would use to leave this host (no packet is sent by a UDP connect)."""
+def interface_ipv4(name: str) -> str | None:
+    """IPv4 address of interface `name` (SIOCGIFADDR), or None when it has none."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            addr = s.getsockname()[0]
-            return None if _is_loopback(addr) else addr
+        res = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+        return socket.inet_ntoa(res[20:24])
     except OSError:
         return None
+    finally:
+        s.close()
 
 
-def advertise_host() -> str:
-    """An address other nodes can reach: $HPC_RL_ADVERTISE_HOST, the node address the Slurm task found
-    ($HPC_RL_NODE_ADDR), the hostname's IP, or the routed one."""
-    for var in ("HPC_RL_ADVERTISE_HOST", "HPC_RL_NODE_ADDR"):
-        if os.environ.get(var):
-            return os.environ[var]
+def interfaces() -> dict[str, str]:
+    """{interface name: IPv4 address} of this node (network namespace), loopback included."""
+    out = {}
+    for _, name in socket.if_nameindex():
+        addr = interface_ipv4(name)
+        if addr:
+            out[name] = addr
+    return out
+
+
+def node_address() -> tuple[str, str | None]:
+    """(IPv4, interface) other nodes reach this node by, found from the machine alone: the hostname's address
+    when an interface holds it, else the first non-loopback interface (hosts whose name resolves to 127.0.1.1),
+    else loopback. No packet is sent."""
+    ifaces = interfaces()
     try:
         addr = socket.gethostbyname(socket.gethostname())
-        if not _is_loopback(addr):
-            return addr
     except OSError:
-        pass
-    return _route_address() or "127.0.0.1"
+        addr = None
+    for name, ip in ifaces.items():
+        if ip == addr and not is_loopback(ip):
+            return ip, name
+    for name, ip in sorted(ifaces.items()):
+        if not is_loopback(ip):
+            return ip, name
+    return "127.0.0.1", "lo" if "lo" in ifaces else None
+
+
+def advertise_host(bind_host: str = "0.0.0.0") -> str:
+    """The address to publish for a socket bound to `bind_host`: $HPC_RL_ADVERTISE_HOST, else the bind address
+    itself when it is one address (only that one works), else $HPC_RL_NODE_ADDR, else node_address()."""
+    if os.environ.get(ADVERTISE_ENV):
+        return os.environ[ADVERTISE_ENV]
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    return os.environ.get(NODE_ADDR_ENV) or node_address()[0]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import socket
-import struct
 from typing import Optional
 
 from ..config import JobConfig
+from ..netutil import NODE_ADDR_ENV, interfaces, node_address  # noqa: F401 (interfaces: re-exported)
 from .nccl import nccl_env
 
 log = logging.getLogger("hpc_rl")
@@ -17,45 +16,6 @@ log = logging.getLogger("hpc_rl")
 # NCCL's shared-memory transport needs room for its buffers per GPU pair; Docker-like 64 MB
 # limits make it crash with "unhandled system error" mid-run rather than at start.
 SHM_MIN_BYTES = 1 << 30
-
-
-def _ipv4_of(ifname: str) -> Optional[str]:
-    """IPv4 address of interface `ifname` (SIOCGIFADDR), or None when it has none."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        req = struct.pack("256s", ifname.encode()[:15])
-        return socket.inet_ntoa(fcntl.ioctl(s.fileno(), 0x8915, req)[20:24])
-    except OSError:
-        return None
-    finally:
-        s.close()
-
-
-def interfaces() -> dict[str, str]:
-    """{interface name: IPv4 address} of this node (network namespace), loopback included."""
-    out = {}
-    for _, name in socket.if_nameindex():
-        addr = _ipv4_of(name)
-        if addr:
-            out[name] = addr
-    return out
-
-
-def node_address() -> tuple[str, Optional[str]]:
-    """(IPv4, interface) other nodes reach this node by: the hostname's address when an interface
-    holds it, else the first non-loopback interface (hosts whose name resolves to 127.0.1.1)."""
-    ifaces = interfaces()
-    try:
-        addr = socket.gethostbyname(socket.gethostname())
-    except OSError:
-        addr = None
-    for name, ip in ifaces.items():
-        if ip == addr and not ip.startswith("127."):
-            return ip, name
-    for name, ip in sorted(ifaces.items()):
-        if not ip.startswith("127."):
-            return ip, name
-    return "127.0.0.1", "lo" if "lo" in ifaces else None
 
 
 def shm_problem(path: str = "/dev/shm", min_bytes: int = SHM_MIN_BYTES) -> Optional[str]:
@@ -79,7 +39,7 @@ def prepare_node_env(cfg: JobConfig) -> dict[str, str]:
     addr, ifname = node_address()
     wanted = dict(nccl_env(cfg))
     # Per node, never inherited from the submitting shell (sbatch exports its whole environment).
-    wanted["HPC_RL_NODE_ADDR"] = addr
+    wanted[NODE_ADDR_ENV] = addr
     if ifname:
         # gloo binds to the interface of the hostname's address; on a node whose hostname resolves
         # elsewhere (or to loopback) ranks on other nodes could not connect back.

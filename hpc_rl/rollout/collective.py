@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import socket
 import threading
 import time
 from datetime import timedelta
@@ -25,7 +24,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from ..errors import RolloutError
+from ..errors import RolloutError, first_line
+from ..netutil import advertise_host, free_port
 
 log = logging.getLogger("hpc_rl")
 
@@ -122,7 +122,7 @@ def join_group(master_addr: str, master_port: int, world_size: int, rank: int, b
                          wait_for_workers=False)
     except Exception as e:  # RuntimeError / DistStoreError: refused, timed out, address in use
         raise CollectiveError(f"weight sync: rank {rank} could not reach the store at {master_addr}:{master_port} "
-                              f"within {timeout_s:.0f}s ({str(e).splitlines()[0]}); check that the trainer's "
+                              f"within {timeout_s:.0f}s ({first_line(e)}); check that the trainer's "
                               "address is reachable from the rollout nodes") from None
     prefix = PrefixStore(STORE_PREFIX, store)
     if backend == "gloo":
@@ -195,23 +195,7 @@ def broadcast_buckets(pg, plan: list, tensors: dict[str, torch.Tensor], version:
             prev[1].wait()
     except RuntimeError as e:  # gloo/NCCL: a peer left (it logs why) or the group timed out
         raise CollectiveError(f"weight sync: broadcast of version {version} failed "
-                              f"({str(e).splitlines()[0][:200]}); see the rollout server's log") from None
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def own_address(peer_url: str) -> str:
-    """The local address this machine uses to reach `peer_url`'s host (what the servers can dial back)."""
-    from urllib.parse import urlparse
-
-    u = urlparse(peer_url)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((u.hostname or "127.0.0.1", u.port or 80))  # UDP connect: no packet is sent
-        return s.getsockname()[0]
+                              f"({first_line(e)}); see the rollout server's log") from None
 
 
 # --------------------------------------------------------------------------- server side
@@ -285,7 +269,7 @@ class _ReceiverState:
             except Exception as e:
                 log.error("weight sync failed: %s", e)
                 with self.lock:
-                    self.error = str(e).splitlines()[0] if str(e) else type(e).__name__
+                    self.error = first_line(e)
             finally:
                 with self.lock:
                     self.busy = False
@@ -367,6 +351,7 @@ def register_server_routes(service) -> None:
         if rs.joined:  # a new sender (e.g. a restarted trainer): leave the old group first
             target.collective_close()
             rs.joined = False
+        log.info("weight sync: joining the group at %s:%d as rank %d of %d", args[0], args[1], args[3], args[2])
         start_collective_receive(target, rs, *args, d.get("specs"), str(d.get("backend", "gloo")),
                                  float(d.get("timeout_s", 600.0)))
         return {"ok": True}
@@ -512,7 +497,7 @@ class CollectiveSender:
         infos = [self._req("GET", f"{s}/collective/info") for s in self.servers]
         self.wire_dtype = [i.get("dtype") for i in infos]
         world = 1 + sum(int(i["workers"]) for i in infos)
-        addr = self.master_addr or own_address(self.servers[0])
+        addr = self.master_addr or advertise_host()
         port = self.master_port or free_port(addr)
         self.master_addr, self.master_port = addr, port
         base = 1

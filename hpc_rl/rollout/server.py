@@ -12,14 +12,12 @@ while a generate holds the engine lock), and startup costs no extra imports.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import hmac
 import json
 import logging
 import os
 import signal
 import socket
-import struct
 import sys
 import threading
 import time
@@ -29,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import parse_qs, urlsplit
 
-from ..errors import HpcRlError
+from ..errors import HpcRlError, first_line
+from ..netutil import advertise_host
 from ..rundir import RunDir, read_json, write_json_atomic
 from . import protocol
 from .engine import Engine, make_engine
@@ -38,7 +37,6 @@ from .weights import WeightError, load_path, tensors_from_bytes, validate_named_
 
 log = logging.getLogger("hpc_rl")
 
-ADVERTISE_ENV = "HPC_RL_ADVERTISE_HOST"
 DONE_POLL_S = 2.0
 
 
@@ -204,11 +202,6 @@ class RolloutService:
 # --------------------------------------------------------------------------- HTTP
 
 
-def _one_line(e: BaseException) -> str:
-    s = str(e).strip().splitlines()
-    return s[0] if s else type(e).__name__
-
-
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for the client's Session
     server_version = "hpc-rl-rollout"
@@ -267,7 +260,7 @@ class Handler(BaseHTTPRequestHandler):
         try:
             return json.loads(raw), True
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"body: not valid JSON ({_one_line(e)})") from None
+            raise BadRequest(f"body: not valid JSON ({first_line(e)})") from None
 
     def _handle(self, method: str) -> None:
         svc = self.service
@@ -316,12 +309,12 @@ class Handler(BaseHTTPRequestHandler):
                 self._send(404, {"error": f"{method} {url.path}: no such endpoint"}, close=self._unread_body())
         except (BadRequest, HpcRlError) as e:
             svc.count("errors")
-            log.warning("%s %s: 400 %s", method, url.path, _one_line(e))
-            self._send(400, {"error": _one_line(e)}, close=self._unread_body())
+            log.warning("%s %s: 400 %s", method, url.path, first_line(e))
+            self._send(400, {"error": first_line(e)}, close=self._unread_body())
         except Exception as e:  # a bug: keep serving, say what broke
             svc.count("errors")
             log.exception("%s %s failed", method, url.path)
-            self._send(500, {"error": f"{type(e).__name__}: {_one_line(e)}"}, close=self._unread_body())
+            self._send(500, {"error": f"{type(e).__name__}: {first_line(e)}"}, close=self._unread_body())
 
     def do_GET(self):
         self._handle("GET")
@@ -360,6 +353,8 @@ class _Server(ThreadingHTTPServer):
 
 def make_http_server(service: RolloutService, token: str, host: str, port: int) -> ThreadingHTTPServer:
     """Bind host:port (0 = any free port); raise HpcRlError naming the address when that fails."""
+    if not token:  # `Authorization: Bearer ` would pass the check
+        raise HpcRlError("rollout server: refusing to serve without the run's token (RUN/token is empty)")
     handler = type("BoundHandler", (Handler,), {"service": service, "token": token})
     cls = _Server
     if ":" in host:
@@ -369,57 +364,6 @@ def make_http_server(service: RolloutService, token: str, host: str, port: int) 
     except OSError as e:
         raise HpcRlError(f"rollout.host/rollout.port: cannot bind {host}:{port} ({e.strerror}); choose a free "
                          "port (0 picks one) and an address of this node (0.0.0.0 = all interfaces)") from None
-
-
-# --------------------------------------------------------------------------- addresses
-
-
-def _iface_ipv4(name: str) -> str | None:
-    """IPv4 address of interface `name` (SIOCGIFADDR), without sending any packet."""
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        res = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name[:15].encode()))
-        return socket.inet_ntoa(res[20:24])
-    except OSError:
-        return None
-    finally:
-        s.close()
-
-
-def _default_route_iface() -> str | None:
-    try:
-        with open("/proc/net/route") as f:
-            next(f)
-            for line in f:
-                parts = line.split()
-                if len(parts) > 2 and parts[1] == "00000000":
-                    return parts[0]
-    except (OSError, StopIteration):
-        pass
-    return None
-
-
-def advertise_host(bind_host: str) -> str:
-    """The address other nodes use to reach this server (see module doc and DESIGN.md)."""
-    env = os.environ.get(ADVERTISE_ENV)
-    if env:
-        return env
-    if bind_host not in ("0.0.0.0", "::", ""):
-        return bind_host  # bound to one address: only that one works
-    try:
-        ip = socket.gethostbyname(socket.gethostname())
-        if not ip.startswith("127."):
-            return ip
-    except OSError:
-        pass
-    iface = _default_route_iface()
-    if iface and (ip := _iface_ipv4(iface)) and not ip.startswith("127."):
-        return ip
-    for _, name in socket.if_nameindex():
-        ip = _iface_ipv4(name)
-        if ip and not ip.startswith("127."):
-            return ip
-    return "127.0.0.1"
 
 
 def _model_vocab(path: str) -> int | None:
@@ -439,7 +383,7 @@ def _register_plugins(service: RolloutService) -> None:
     try:
         from . import collective
     except Exception as e:  # a broken optional module must not take the server down
-        log.warning("collective weight sync unavailable: %s", _one_line(e))
+        log.warning("collective weight sync unavailable: %s", first_line(e))
         return
     fn = getattr(collective, "register_server_routes", None)
     if callable(fn):
