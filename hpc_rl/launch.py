@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import config, rundir
@@ -130,9 +131,43 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
 MAX_SERVER_RESTARTS = 3
 
 
+def last_error_line(path: Path) -> str:
+    """The last line of a log that reports an error (`error: ...`, `ValueError: ...`), else its last line."""
+    try:
+        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return f"{path.name} is missing"
+    for ln in reversed(lines):
+        low = ln.lower()
+        if ("error" in low or "exception" in low or "killed" in low) and not low.startswith("traceback"):
+            return ln[:300]
+    return lines[-1][:300] if lines else f"{path.name} is empty"
+
+
+@dataclass
+class ServerFailure:
+    """A rollout server this launcher gave up on."""
+
+    index: int
+    code: int | None
+    node: str
+    served: bool
+    error: str
+
+    def line(self) -> str:
+        how = (f"was killed by {signal.Signals(-self.code).name}" if self.code is not None and self.code < 0
+               and -self.code in signal.valid_signals() else f"exited with code {self.code}")
+        when = (f"after it served (out of its {MAX_SERVER_RESTARTS} restarts)" if self.served
+                else "before it served (a startup failure is not retried)")
+        return (f"rollout server {self.index} on node {self.node} {how} {when}: {self.error} "
+                f"(full log: logs/rollout-{self.index}.log)")
+
+
 class ServerKeeper:
-    """This launcher's rollout servers; one that dies before the run ends is restarted on this node (at most
-    MAX_SERVER_RESTARTS times each). `procs` is updated in place, so stop_processes always sees the live ones."""
+    """This launcher's rollout servers. One that crashes after it served is restarted on this node (at most
+    MAX_SERVER_RESTARTS times); one that dies before it ever served, or exits with a user error (code 2), is
+    given up at once: startup failures repeat, and a run must not wait for a server that cannot come.
+    `procs` is updated in place, so stop_processes always sees the live ones."""
 
     def __init__(self, run: RunDir, cfg: JobConfig, indices: list[int], devices: dict | None = None):
         self.run, self.cfg = run, cfg
@@ -140,22 +175,38 @@ class ServerKeeper:
         self.indices = list(indices)
         self.procs = [start_rollout_server(run, cfg, k, self.devices.get(k)) for k in self.indices]
         self.restarts = {k: 0 for k in self.indices}
+        self.served = {k: False for k in self.indices}
+        self.stopped: set[int] = set()  # exited cleanly (asked to stop)
 
-    def check(self) -> tuple[int, int | None] | None:
+    def _serving(self, k: int, p: subprocess.Popen) -> bool:
+        info = read_json(self.run.rollout_file(k))
+        return bool(info and info.get("pid") == p.pid)
+
+    def check(self) -> ServerFailure | None:
         """Restart dead servers (from the launcher's main thread: PR_SET_PDEATHSIG follows the forking
-        thread); returns (index, exit code) of one that is out of restarts, else None."""
+        thread); returns the failure of one given up on."""
         if self.run.done_file.exists():
             return None
         for j, (k, p) in enumerate(zip(self.indices, self.procs)):
             code = p.poll()
+            if code is None or not self.served[k]:
+                self.served[k] = self.served[k] or self._serving(k, p)
             if code is None:
                 continue
-            # A clean exit (0, SIGTERM) was asked for (Slurm ending the job, scancel): not restarted.
-            if code in (0, -signal.SIGTERM) or self.restarts[k] >= MAX_SERVER_RESTARTS:
-                return k, code
+            node = os.uname().nodename
+            # A clean exit (0, SIGTERM) was asked for (Slurm ending the job, scancel): not restarted, and
+            # not a failure of the run (the others go on); a rollout node with none left ends.
+            if code in (0, -signal.SIGTERM):
+                if k not in self.stopped:
+                    self.stopped.add(k)
+                    log.warning("rollout server %d on %s stopped (%s); not restarted", k, node,
+                                "exit 0" if code == 0 else "SIGTERM")
+                continue
+            if code == 2 or not self.served[k] or self.restarts[k] >= MAX_SERVER_RESTARTS:
+                return ServerFailure(k, code, node, self.served[k], last_error_line(self.run.logs / f"rollout-{k}.log"))
             self.restarts[k] += 1
             log.warning("rollout server %d exited with code %s on %s; restarting it (%d/%d). Last lines of "
-                        "logs/rollout-%d.log:\n%s", k, code, os.uname().nodename, self.restarts[k],
+                        "logs/rollout-%d.log:\n%s", k, code, node, self.restarts[k],
                         MAX_SERVER_RESTARTS, k, _tail(self.run.logs / f"rollout-{k}.log", 5))
             self.run.rollout_file(k).unlink(missing_ok=True)  # the old address is gone; the new one is published
             self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k))
@@ -271,8 +322,11 @@ def wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[su
 def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[subprocess.Popen],
                    keeper: ServerKeeper | None) -> int:
     while True:
-        if keeper is not None:
-            keeper.check()  # out of restarts: the trainer's client reports the missing servers
+        failure = keeper.check() if keeper is not None else None
+        if failure is not None:
+            log.error("%s; stopping the run", failure.line())
+            stop_processes(trainers + others)
+            return 2 if failure.code == 2 else 1
         codes = [p.poll() for p in trainers]
         failed = [(p, c) for p, c in zip(trainers, codes) if c not in (None, 0)]
         if failed:
@@ -365,6 +419,13 @@ def _record_attempt(run: RunDir) -> None:
                  restarts + 1, restarts)
 
 
+def publish_master(run: RunDir) -> dict:
+    """The first trainer node's rendezvous address (this node's advertised address, a free port) for the others."""
+    master = {"addr": advertise_host(), "port": free_port(), "host": os.uname().nodename}
+    write_json_atomic(run.master_file, master)
+    return master
+
+
 def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
     cfg = config.load(run.job_yaml)
@@ -374,8 +435,7 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
                          "submit with hpc-rl submit so the node count matches the spec")
     if node_index < cfg.trainer.nodes:
         if node_index == 0:
-            write_json_atomic(run.master_file, {"addr": advertise_host(), "port": free_port(),
-                                                "host": os.uname().nodename})
+            publish_master(run)
         master = _wait_for(run.master_file, cfg.rollout.startup_timeout_s, "the first trainer node's address")
         log.info("node %d (%s): trainer ranks %d..%d, master %s:%s", node_index, os.uname().nodename,
                  node_index * cfg.trainer.procs_per_node, (node_index + 1) * cfg.trainer.procs_per_node - 1,
@@ -395,13 +455,17 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
             if run.done_file.exists():
                 stop_processes(servers)
                 return 0
-            dead = keeper.check()
-            if dead:
-                k, code = dead
-                log.error("rollout server %d exited with code %s on %s; last lines:\n%s", k, code,
-                          os.uname().nodename, _tail(run.logs / f"rollout-{k}.log"))
+            failure = keeper.check()
+            if failure is not None:
+                # A non-zero exit ends the whole Slurm step (--kill-on-bad-exit); the trainer's client, on
+                # another node, also reads this file and stops with the same line.
+                write_json_atomic(run.server_failure_file(failure.index), {**asdict(failure), "message": failure.line()})
+                log.error("%s; stopping the job", failure.line())
                 stop_processes(servers)
-                return code or 1
+                return failure.code if failure.code and failure.code > 0 else 1
+            if len(keeper.stopped) == len(servers):
+                log.info("rollout server(s) on this node stopped; node done")
+                return 0
             time.sleep(1.0)
     finally:
         stop_processes(servers)

@@ -169,3 +169,47 @@ def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path)
 
     assert checkpoint.find_latest(RunDir(run)) == checkpoint.step_dir(RunDir(run), kept)
     assert _no_processes_left(tmp_path)
+
+
+def test_rollout_server_that_cannot_start_ends_the_run_at_once(tmp_path):
+    """A server that exits with a user error (code 2: here it cannot bind rollout.host) is not waited for
+    until rollout.startup_timeout_s: the run ends within seconds with one line naming the server, its node
+    and its log's error line."""
+    t0 = time.time()
+    # An address no interface here has: bind() fails at once (EADDRNOTAVAIL); nothing is ever sent to it.
+    proc, log = _start(tmp_path, "trainer.steps=4", "rollout.host=192.0.2.1", "rollout.startup_timeout_s=900")
+    rc = proc.wait(timeout=300)
+    took = time.time() - t0
+    out = log.read_text(errors="replace")
+    assert rc == 2, out[-3000:]
+    assert took < 120, f"the run took {took:.0f}s to give up on a server that cannot start"
+    assert "Traceback" not in out
+    errors = [ln for ln in out.splitlines() if "error" in ln.lower() and "rollout server 0" in ln]
+    assert len(errors) == 1, out[-3000:]
+    assert f"rollout server 0 on node {os.uname().nodename} exited with code 2 before it served" in errors[0]
+    assert "cannot bind 192.0.2.1" in errors[0]  # the last error line of logs/rollout-0.log
+    assert "restarting it" not in out
+    assert _no_processes_left(tmp_path)
+    print(f"\nserver that cannot start: run ended in {took:.1f}s")
+
+
+def test_rollout_server_killed_during_startup_is_not_retried(tmp_path):
+    """A server that dies before it ever served (here SIGKILL while it loads) ends the run with one line; a
+    startup failure would repeat, so it is not restarted (a server that crashes after serving is)."""
+    proc, log = _start(tmp_path, "trainer.steps=4")
+    deadline = time.time() + 120
+    while True:
+        try:
+            pid = _pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "0")
+            break
+        except AssertionError:
+            assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)  # importing torch takes seconds: it has not served yet
+    rc = proc.wait(timeout=300)
+    out = log.read_text(errors="replace")
+    assert rc == 1, out[-3000:]
+    assert re.search(r"rollout server 0 on node \S+ was killed by SIGKILL before it served \(a startup failure "
+                     r"is not retried\)", out), out[-3000:]
+    assert "restarting it" not in out
+    assert _no_processes_left(tmp_path)

@@ -169,6 +169,7 @@ class RolloutClient:
                 if len(ready) >= expected:
                     log.info("rollout servers ready: %s", ", ".join(self.servers[i].url for i in sorted(ready)))
                     return
+                self._raise_if_given_up(set(range(expected)) - ready)
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -185,6 +186,13 @@ class RolloutClient:
                            "the server crashed (see RUN/logs/rollout-K.log), it is bound to 127.0.0.1 "
                            "(set rollout.host: 0.0.0.0), a firewall blocks the port, or startup needs more "
                            "time (raise rollout.startup_timeout_s)")
+
+    def _raise_if_given_up(self, waiting: set[int]) -> None:
+        """A server its launcher gave up on (rendezvous/failed-rollout-K.json) will not come: stop waiting."""
+        for idx in sorted(waiting):
+            failed = read_json(self.run.server_failure_file(idx))
+            if failed:
+                raise RolloutError(str(failed.get("message") or f"rollout server {idx} failed: {failed}"))
 
     def _node_of(self, idx: int, srv) -> str:
         """Which node runs server `idx`: its hostname once published, else its place in the job layout."""
