@@ -4,19 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
-
-import jinja2
 
 from ..config import JobConfig
-
-TEMPLATES = Path(__file__).resolve().parent.parent.parent / "templates"
-
-
-def _templates_dir() -> Path:
-    # Installed non-editable, the templates ship inside the package.
-    packaged = Path(__file__).resolve().parent.parent / "templates"
-    return TEMPLATES if TEMPLATES.is_dir() else packaged
+from ..templating import render as render_template
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -40,9 +30,9 @@ def batch_sizes(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
 
 def render(cfg: JobConfig, world_size: int, device_kind: str, train: bool = True) -> dict:
     """The DeepSpeed config for an engine of this job (train=False: a frozen inference engine)."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(_templates_dir())), undefined=jinja2.StrictUndefined)
     total, micro, accum = batch_sizes(cfg, world_size)
-    text = env.get_template("deepspeed.json.j2").render(
+    text = render_template(
+        "deepspeed.json.j2",
         train_batch_size=total, micro_batch_size=micro, grad_accum=accum, grad_clip=cfg.trainer.grad_clip,
         dtype=cfg.model.dtype, zero_stage=cfg.trainer.zero_stage,
         # Tiny CPU models would otherwise keep every (small) parameter whole on every rank.
