@@ -80,3 +80,54 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
     out = next(iter(sorted((run / "submitit").glob("*_0_log.out")))).read_text()
     assert "requeued 1 time(s)" in out or "attempt 2" in out, out[-2000:]
     print(f"\npreempted at step {k}; signal -> job completed {resumed_at - t_signal:.0f}s")
+
+
+def test_hetjob_usr2_to_the_batch_shell_checkpoints_then_requeues(slurm_cluster, tmp_path):
+    """slurm.layout=hetjob: --signal=B:USR2 reaches only the batch shell (sent here with scancel --batch). Its
+    trap passes the signal on to the trainer component, whose ranks checkpoint at a step boundary; then the job
+    is requeued and resumes from exactly that checkpoint (not from the last periodic one: checkpoint.every=0)."""
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "slurm.layout=hetjob",
+               "trainer.nodes=1", "rollout.nodes=1", f"trainer.steps={STEPS}", "checkpoint.every=0",
+               "trainer.prompts_per_step=8", "trainer.mini_batch_size=32", "slurm.signal_delay_s=60", timeout=300)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    wait_for(lambda: len(metrics_rows(run)) >= 2, 900, f"hetjob {job_id} to train 2 steps\n{run_logs(run)}",
+             poll_s=1)
+    before = len(metrics_rows(run))
+    sig = subprocess.run(["scancel", "--batch", "--signal=USR2", str(job_id)], capture_output=True, text=True,
+                         timeout=60)
+    assert sig.returncode == 0, sig.stderr
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
+                     f"hetjob {job_id} to be requeued and end\n{run_logs(run)}", poll_s=3)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    assert final["requeues"] == 1, final
+
+    log0 = (run / "logs" / "trainer-0.log").read_text()
+    m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
+    assert m, run_logs(run)
+    k = int(m.group(1))
+    assert before <= k < STEPS
+    assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
+    assert [r["step"] for r in metrics_rows(run)] == list(range(1, STEPS + 1))
+    batch_out = next((run / "submitit").glob("*_batch.out")).read_text()
+    assert "caught USR2; the trainer ranks checkpoint" in batch_out, batch_out[-2000:]
+
+
+def test_rollout_node_whose_server_cannot_start_ends_the_job(slurm_cluster, tmp_path):
+    """On a Slurm rollout node a server that cannot start (code 2: rollout.host is no address of the node) ends
+    the job within seconds (it does not sit idle until rollout.startup_timeout_s), and the trainer's log names
+    the server, its node and the error line."""
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=1",
+               "trainer.steps=4", "rollout.host=192.0.2.1", "rollout.startup_timeout_s=900", timeout=300)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 600,
+                     f"job {job_id} to end\n{run_logs(run)}", poll_s=2)
+    assert final["state"] == "FAILED", f"{final}\n{run_logs(run)}"
+    failed = read_json(run / "rendezvous" / "failed-rollout-0.json")
+    assert failed["code"] == 2 and failed["node"] in ("n1", "n2", "n3") and not failed["served"], failed
+    assert "cannot bind 192.0.2.1" in failed["message"], failed
+    started = read_json(run / "attempts.json")["started"]
+    assert (run / "rendezvous" / "failed-rollout-0.json").stat().st_mtime - started < 120
+    logs = run_logs(run)
+    assert f"rollout server 0 on node {failed['node']} exited with code 2 before it served" in logs, logs

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from ..config import JobConfig
 from ..errors import ConfigError
+from ..templating import render as render_template
 from .nccl import nccl_env
 from .layout import total_nodes
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
 # submitit names its files %j_submission.sh, %j_%t_log.out, %j_%t_result.pkl under this folder.
 SUBMITIT_DIR = "submitit"
 # One submitit task per node: launch.run_node starts that node's processes itself.
@@ -43,13 +43,10 @@ def time_minutes(text: str) -> int:
     return math.ceil(secs / 60)
 
 
-def _env():
-    import jinja2
-
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
-                             keep_trailing_newline=True, trim_blocks=False)
-    env.filters["sh"] = lambda v: shlex.quote(str(v))
-    return env
+def checkpoint_wait_s(cfg: JobConfig) -> float:
+    """How long a node waits for its trainer ranks to checkpoint after the preemption warning (the rest of
+    slurm.signal_delay_s is left to Slurm for the requeue itself)."""
+    return max(5.0, cfg.slurm.signal_delay_s - 15.0)
 
 
 def python_executable() -> str:
@@ -62,7 +59,8 @@ def preamble_lines(cfg: JobConfig, run_dir: str | Path) -> list[str]:
     import os
 
     py = Path(python_executable())
-    text = _env().get_template("setup.sh.j2").render(
+    text = render_template(
+        "setup.sh.j2",
         name=cfg.name, run_dir=str(run_dir), setup=[str(s) for s in cfg.slurm.setup],
         env_bin=str(py.parent), conda_prefix=os.environ.get("CONDA_PREFIX"),
         virtual_env=str(py.parent.parent) if (py.parent.parent / "pyvenv.cfg").is_file() else None,
@@ -162,9 +160,11 @@ def render_hetjob(cfg: JobConfig, run_dir: str | Path) -> str:
         {"role": "trainer", "node_offset": 0, "flags": _flags(trainer)},
         {"role": "rollout", "node_offset": cfg.trainer.nodes, "flags": _flags(rollout)},
     ]
-    return _env().get_template("hetjob.sbatch.j2").render(
+    return render_template(
+        "hetjob.sbatch.j2",
         components=components, preamble="\n".join(preamble_lines(cfg, run_dir)), folder=str(folder),
-        python=python_executable(), run_dir=str(run_dir), num_nodes=total_nodes(cfg))
+        python=python_executable(), run_dir=str(run_dir), num_nodes=total_nodes(cfg),
+        checkpoint_wait_s=int(checkpoint_wait_s(cfg)) + 10)
 
 
 def render(cfg: JobConfig, run_dir: str | Path) -> str:

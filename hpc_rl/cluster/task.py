@@ -99,9 +99,9 @@ class NodeTask:
 
         from .. import config
         from ..launch import preempt_trainers
+        from .render import checkpoint_wait_s
 
-        delay = config.from_resolved(RunDir(Path(self.run_dir)).job_yaml).slurm.signal_delay_s
-        preempt_trainers(max(5.0, delay - 15.0))  # leave Slurm time for the requeue itself
+        preempt_trainers(checkpoint_wait_s(config.load(RunDir(Path(self.run_dir)).job_yaml)))
         return submitit.helpers.DelayedSubmission(NodeTask(self.run_dir))
 
     def __repr__(self) -> str:
@@ -116,7 +116,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-nodes", type=int, required=True)
     args = ap.parse_args(argv)
     node = args.node_offset + int(os.environ.get("SLURM_NODEID", "0"))
+    _checkpoint_on_usr_signals(Path(args.run_dir))
     return run_this_node(args.run_dir, node, args.num_nodes)
+
+
+def _checkpoint_on_usr_signals(run_dir: Path) -> None:
+    """The hetjob script passes the preemption warning (USR2) on to the trainer component: this node's
+    trainer ranks then checkpoint and exit (NodeTask.checkpoint does the same under submitit)."""
+    import signal
+
+    from .. import config
+    from ..launch import preempt_trainers
+    from .render import checkpoint_wait_s
+
+    wait_s = checkpoint_wait_s(config.load(RunDir(run_dir).job_yaml))
+
+    def on_signal(signum, _frame):
+        log.warning("%s: asking this node's trainer ranks to checkpoint and stop", signal.Signals(signum).name)
+        preempt_trainers(wait_s)
+
+    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGUSR2, on_signal)
 
 
 if __name__ == "__main__":
