@@ -47,13 +47,11 @@ def _down(env: dict) -> None:
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
-    """A running 3-node cluster; SLURM_CONF points at it for the session. On CI (CI=true) or with
-    HPC_RL_REQUIRE_SLURM=1 a missing prerequisite fails the tests instead of skipping them."""
+    """A running 3-node cluster; SLURM_CONF points at it for the session. A missing prerequisite skips the
+    Slurm tests, which under CI (HPC_RL_REQUIRE_ALL=1, see tests/conftest.py) is a failure."""
     reason = unavailable()
     if reason:
-        if os.environ.get("HPC_RL_REQUIRE_SLURM") == "1" or os.environ.get("CI") == "true":
-            pytest.fail(f"the Slurm tests must run here (CI / HPC_RL_REQUIRE_SLURM=1) but {reason}")
-        pytest.skip(reason)
+        pytest.skip(f"the local Slurm cluster cannot start: {reason}")
     state = Path(os.environ.get("HPC_RL_SLURM_STATE", "/tmp/hpc-rl-slurm"))
     env = {**os.environ, "HPC_RL_SLURM_STATE": str(state)}
     atexit.register(_down, env)  # an interrupted session still removes namespaces and /etc/hosts lines
