@@ -42,10 +42,11 @@ def make_job(algo: str, steps: int) -> dict:
 def bare_generate(run_dir: Path, rows: list[dict], reps: int) -> dict:
     """vllm.LLM.generate of each step's prompts, same n / max tokens / stop / log-probs as the run."""
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    from vllm import LLM, SamplingParams, TokensPrompt
+
     from hpc_rl import config
     from hpc_rl.data.datasets import PromptDataset
     from hpc_rl.models.loading import load_tokenizer
-    from vllm import LLM, SamplingParams, TokensPrompt
 
     cfg = config.load(run_dir / "job.yaml")
     tok = load_tokenizer(cfg.model.path)

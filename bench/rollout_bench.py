@@ -84,7 +84,7 @@ def bench_generate(cfg, path: str, ps, max_new: int, reps: int) -> tuple[dict, o
         llm.llm_engine.engine_core.shutdown()
     except Exception:
         pass
-    del llm
+    llm = None  # frees the bare engine before the next measurements
     return res, eng
 
 

@@ -16,8 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (REPO, SMALL, base_job, build_model, fmt_spread, machine, run_hpc_rl, spread,  # noqa: E402
-                     steady, table, write_result)
+from _common import REPO, SMALL, base_job, build_model, fmt_spread, machine, run_hpc_rl, spread, steady, table, write_result  # noqa: E402
 
 BASE_PROMPTS = 16
 VARIANTS = {"batch x1": (1, 2), "batch x2": (2, 2), "batch x4": (4, 2), "1 rank": (1, 1)}  # (batch factor, ranks)

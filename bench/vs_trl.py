@@ -20,8 +20,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import (LARGE, REPO, SMALL, base_job, build_model, fmt_spread, machine, param_count,  # noqa: E402
-                     run_hpc_rl, spread, steady, table, write_result)
+from _common import (  # noqa: E402
+    LARGE,
+    REPO,
+    SMALL,
+    base_job,
+    build_model,
+    fmt_spread,
+    machine,
+    param_count,
+    run_hpc_rl,
+    spread,
+    steady,
+    table,
+    write_result,
+)
 
 # name, model shape, prompts/step, group, max new tokens, lr, steps, reps
 CONFIGS = {

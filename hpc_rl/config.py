@@ -12,12 +12,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 
 from .errors import ConfigError, first_line
-
 
 # --------------------------------------------------------------------------- sections
 
@@ -42,9 +41,9 @@ class TinyModelConfig:
 class ModelConfig:
     """The policy (actor); the critic and the reference start from the same weights unless named."""
 
-    path: Optional[str] = None
-    tiny: Optional[TinyModelConfig] = None
-    critic_path: Optional[str] = None
+    path: str | None = None
+    tiny: TinyModelConfig | None = None
+    critic_path: str | None = None
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
     gradient_checkpointing: bool = False
@@ -73,7 +72,7 @@ class RewardConfig:
     batched: bool = False
     scale: float = 1.0
     normalize: bool = False
-    clip: Optional[float] = None
+    clip: float | None = None
 
 
 @dataclass
@@ -81,7 +80,7 @@ class KLConfig:
     coef: float = 0.0
     estimator: Literal["k1", "k2", "k3"] = "k3"
     # PPO puts KL into the per-token reward; GRPO adds it to the loss.
-    in_reward: Optional[bool] = None
+    in_reward: bool | None = None
     adaptive: bool = False
     target: float = 0.1
     horizon: int = 10000
@@ -126,7 +125,7 @@ class TrainerConfig:
     mini_batch_size: int = 64
     micro_batch_size: int = 0
     lr: float = 1e-5
-    critic_lr: Optional[float] = None
+    critic_lr: float | None = None
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
@@ -159,7 +158,7 @@ class RolloutConfig:
     # vLLM's KV cache in bytes (its kv_cache_memory_bytes), on CPU and GPU. null: on CPU derived from the job
     # (concurrent sequences x max_model_len x the model's K/V bytes per token), on GPU sized by vLLM from
     # gpu_memory_utilization; 0: always from gpu_memory_utilization (on CPU a fraction of a NUMA node's RAM).
-    kv_cache_bytes: Optional[int] = None
+    kv_cache_bytes: int | None = None
     max_model_len: int = 256
     enforce_eager: bool = True
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -179,9 +178,9 @@ class CheckpointConfig:
 
 @dataclass
 class NCCLConfig:
-    socket_ifname: Optional[str] = None
-    ib_disable: Optional[bool] = None
-    debug: Optional[str] = None
+    socket_ifname: str | None = None
+    ib_disable: bool | None = None
+    debug: str | None = None
     timeout_s: int = 1800
 
 
@@ -193,26 +192,26 @@ class EnvConfig:
 
 @dataclass
 class SlurmConfig:
-    partition: Optional[str] = None
-    account: Optional[str] = None
-    qos: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
     time: str = "01:00:00"
     gpus_per_node: int = 0
-    cpus_per_task: Optional[int] = None
-    mem: Optional[str] = None
-    constraint: Optional[str] = None
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    constraint: str | None = None
     exclusive: bool = False
     signal_delay_s: int = 120
     requeue: bool = True
     # After a crash of the trainer (a rank died, a node was lost), requeue the job up to this many
     # times; it resumes from the latest checkpoint (0 = fail the job).
     requeue_on_failure: int = 0
-    mail_user: Optional[str] = None
-    mail_type: Optional[str] = None
-    array_parallelism: Optional[int] = None
+    mail_user: str | None = None
+    mail_type: str | None = None
+    array_parallelism: int | None = None
     layout: Literal["single", "hetjob"] = "single"
-    rollout_partition: Optional[str] = None
-    rollout_gpus_per_node: Optional[int] = None
+    rollout_partition: str | None = None
+    rollout_gpus_per_node: int | None = None
     additional: dict = field(default_factory=dict)
     setup: list = field(default_factory=list)
 
@@ -471,7 +470,7 @@ def validate(cfg: JobConfig) -> JobConfig:
 # --------------------------------------------------------------------------- entry points
 
 
-def load_dict(data: dict, overrides: Optional[list[str]] = None) -> JobConfig:
+def load_dict(data: dict, overrides: list[str] | None = None) -> JobConfig:
     """Build and validate a JobConfig from a raw mapping plus dotted overrides."""
     if data is None:
         data = {}
@@ -482,7 +481,7 @@ def load_dict(data: dict, overrides: Optional[list[str]] = None) -> JobConfig:
     return validate(cfg)
 
 
-def load(path: str | Path, overrides: Optional[list[str]] = None) -> JobConfig:
+def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     """Load a job spec YAML file, apply dotted overrides, validate; ConfigError on any problem."""
     p = Path(path)
     if not p.is_file():

@@ -14,9 +14,10 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 log = logging.getLogger("hpc_rl")
 
@@ -37,7 +38,7 @@ class Result:
 @dataclass
 class Check:
     name: str
-    fn: Callable[["Ctx"], Any]
+    fn: Callable[[Ctx], Any]
     needs_job: bool = False
 
 
@@ -53,7 +54,7 @@ def check(name: str, needs_job: bool = False):
     return deco
 
 
-def run_cmd(argv: list[str], timeout: float = 10.0) -> Optional[subprocess.CompletedProcess]:
+def run_cmd(argv: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess | None:
     """Run a probe command with a timeout; None when it is missing or timed out (never hangs)."""
     if shutil.which(argv[0]) is None:
         return None
@@ -70,7 +71,7 @@ class Ctx:
     A check module may add the probes only it needs as `Ctx._probe_NAME` (e.g. hostname, loaded_libs).
     """
 
-    def __init__(self, job: Any = None, job_path: Optional[str] = None, **facts: Any):
+    def __init__(self, job: Any = None, job_path: str | None = None, **facts: Any):
         self.job = job
         self.job_path = job_path
         self._facts = dict(facts)
@@ -109,7 +110,7 @@ class Ctx:
         from .doctor_checks.stacks import read_lock
         return read_lock()
 
-    def _probe_nvidia_smi(self) -> Optional[dict]:
+    def _probe_nvidia_smi(self) -> dict | None:
         """{driver, cuda, gpus: [{index, uuid, name}]} from nvidia-smi, or None without a GPU driver."""
         from .doctor_checks.probes import nvidia_smi_facts
         return nvidia_smi_facts()
@@ -123,7 +124,7 @@ def _as_list(out: Any, name: str) -> list[Result]:
     return list(out)
 
 
-def run_checks(ctx: Ctx, only: Optional[list[str]] = None) -> list[Result]:
+def run_checks(ctx: Ctx, only: list[str] | None = None) -> list[Result]:
     """Run every registered check (job checks only when ctx.job is set); a crashing check is a FAIL."""
     from . import doctor_checks  # noqa: F401  (registers the checks)
 
@@ -156,7 +157,7 @@ def _print_human(results: list[Result], stream=None) -> None:
     print(f"doctor: {len(results)} checks, {n_fail} FAIL, {n_warn} warn", file=stream)
 
 
-def run_doctor(job: Optional[str] = None, as_json: bool = False) -> int:
+def run_doctor(job: str | None = None, as_json: bool = False) -> int:
     """Entry point of `hpc-rl doctor`: print every check's result; exit code 1 on any FAIL, else 0."""
     if os.environ.get("HPC_RL_DEBUG") == "1":
         logging.basicConfig(level=logging.DEBUG)

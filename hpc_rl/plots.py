@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from .errors import HpcRlError
 from .metrics import read_metrics
@@ -73,7 +72,7 @@ def _sweep_curves(root: Path) -> tuple[str, list[tuple[str, list[dict]]]]:
     return f"Sweep {state['name']}: {len(curves)} runs", curves
 
 
-def plot_target(target: str, out: Optional[str] = None, runs_dir: str = "runs",
+def plot_target(target: str, out: str | None = None, runs_dir: str = "runs",
                 sweeps_dir: str = "runs/sweeps") -> int:
     """`hpc-rl plot RUN_OR_SWEEP [--out PNG]`: write the PNG and print its path."""
     from .cluster.sweep import find_sweep, is_sweep

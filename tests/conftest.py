@@ -7,9 +7,14 @@ never passes or fails by luck; locally they stay random (and new).
 """
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cluster.helpers import slurm_cluster  # noqa: E402,F401 (the session fixture of the Slurm tests)
 
 REQUIRE_ALL = os.environ.get("HPC_RL_REQUIRE_ALL") == "1" or os.environ.get("CI") == "true"
 

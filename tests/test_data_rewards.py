@@ -13,7 +13,6 @@ from hpc_rl.errors import DataError, RewardError
 from hpc_rl.rewards.base import RewardShaper, compute_rewards, load_reward_fn
 from hpc_rl.rewards.toy import repeat_digit
 
-
 # ----------------------------------------------------------------------------- sampler
 
 

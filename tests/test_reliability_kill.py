@@ -107,10 +107,10 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
         elif mode == "checkpoint":
             # A killed save leaves its .tmp behind until the next save replaces it: wait for a new one.
             stale = _tmp_dirs(run)
-            _poll("a checkpoint being written", lambda: _tmp_dirs(run) - stale, 300, proc, log, every=0.005)
+            _poll("a checkpoint being written", lambda run=run, stale=stale: _tmp_dirs(run) - stale, 300, proc, log, every=0.005)
         else:
             pat = re.compile(rf"step {before + 1}/{STEPS} ")
-            _poll(f"step {before + 1}", lambda: pat.search(log.read_text(errors="replace")), 300, proc, log)
+            _poll(f"step {before + 1}", lambda pat=pat, log=log: pat.search(log.read_text(errors="replace")), 300, proc, log)
             time.sleep(rng.uniform(0.0, 1.0))
         assert proc.poll() is None, f"attempt {i} ended before its kill:\n{log.read_text()[-3000:]}"
         os.killpg(proc.pid, signal.SIGKILL)

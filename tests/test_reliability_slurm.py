@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import hpc_rl, metrics_rows, processes_naming, run_logs, slurm_cluster, status, submitted_run_dir, wait_for  # noqa: E402,F401
+from cluster.helpers import hpc_rl, metrics_rows, processes_naming, run_logs, status, submitted_run_dir, wait_for  # noqa: E402,F401
 
 from hpc_rl import config  # noqa: E402
 from hpc_rl.cluster import slurmq  # noqa: E402

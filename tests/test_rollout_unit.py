@@ -11,8 +11,16 @@ from hpc_rl.netutil import advertise_host
 from hpc_rl.rollout import protocol
 from hpc_rl.rollout.client import chunk_seed, split_contiguous
 from hpc_rl.rollout.engine_hf import filter_logits
-from hpc_rl.rollout.weights import (WeightError, bucket_bytes_of, buckets, load_path, prune_versions,
-                                    tensors_from_bytes, validate_named_tensors, write_version)
+from hpc_rl.rollout.weights import (
+    WeightError,
+    bucket_bytes_of,
+    buckets,
+    load_path,
+    prune_versions,
+    tensors_from_bytes,
+    validate_named_tensors,
+    write_version,
+)
 
 # probabilities 0.1, 0.2, 0.3, 0.4
 LOGITS = torch.log(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
@@ -131,6 +139,7 @@ def test_advertise_host(monkeypatch):
     addr = ipaddress.ip_address(advertise_host("0.0.0.0"))
     assert addr.version == 4
     import socket
+
     from hpc_rl.netutil import interface_ipv4 as _iface_ipv4
     others = [ip for _, n in socket.if_nameindex() if (ip := _iface_ipv4(n)) and not ip.startswith("127.")]
     if others:

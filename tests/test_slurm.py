@@ -15,8 +15,7 @@ import cloudpickle
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import (NODE_ADDRS, REPO, hpc_rl, job_processes, run_logs, slurm_cluster,  # noqa: E402,F401
-                             status, submitted_run_dir, wait_for)
+from cluster.helpers import NODE_ADDRS, REPO, hpc_rl, job_processes, run_logs, status, submitted_run_dir, wait_for  # noqa: E402,F401
 
 from hpc_rl import config  # noqa: E402
 from hpc_rl.cluster import slurmq  # noqa: E402

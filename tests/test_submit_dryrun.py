@@ -61,8 +61,8 @@ def test_grpo_recipe_one_trainer_one_rollout_node(capsys):
     lines = out.splitlines()
     # setup lines come before the project env and the job's exports, all before srun.
     i_setup, i_path, i_srun = (lines.index("source envs/activate.sh"),
-                               next(i for i, l in enumerate(lines) if l.startswith("export PATH=")),
-                               next(i for i, l in enumerate(lines) if l.startswith("srun ")))
+                               next(i for i, ln in enumerate(lines) if ln.startswith("export PATH=")),
+                               next(i for i, ln in enumerate(lines) if ln.startswith("srun ")))
     assert i_setup < i_path < i_srun
     assert "export NCCL_DEBUG=WARN" in lines and "export HPC_RL_NCCL_TIMEOUT_S=1800" in lines
     assert "# node 1: rollout 0 (8 rollout server(s), tensor parallel 1)" in out

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cluster.helpers import REPO, hpc_rl, slurm_cluster  # noqa: E402,F401
+from cluster.helpers import REPO, hpc_rl  # noqa: E402,F401
 
 from hpc_rl.metrics import read_metrics  # noqa: E402
 from hpc_rl.rundir import read_json  # noqa: E402

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import socket
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 

@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
 
     cfg = config.load_dict({"model": {"path": model_dir}, "trainer": {"device": "cpu", "lr": 1e-3,
                                                                       "prompts_per_step": 2, "mini_batch_size": 16}})
-    dist = init_distributed(cfg)
+    init_distributed(cfg)
     actor = build_actor(cfg, world, "cpu")
     critic = build_critic(cfg, world, "cpu")
     shards = {n: [int(p.ds_tensor.numel()), int(p.ds_numel)] for n, p in actor.module.named_parameters()}

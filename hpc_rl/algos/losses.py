@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from .utils import masked_mean
@@ -40,7 +38,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip_ratio: float,
     agg: str = "token_mean",
-    clip_ratio_high: Optional[float] = None,
+    clip_ratio_high: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """PPO clipped surrogate: max(-A*r, -A*clip(r, 1-eps_lo, 1+eps_hi)) aggregated over valid tokens.
 
@@ -73,7 +71,7 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     mask: torch.Tensor,
-    clip: Optional[float],
+    clip: float | None,
     agg: str = "token_mean",
 ) -> tuple[torch.Tensor, dict]:
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2).

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import torch.distributed as dist
 
@@ -18,13 +16,13 @@ def _weights(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.T
     return torch.where(m != 0, x, torch.zeros((), dtype=x.dtype, device=x.device)), m
 
 
-def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of x weighted by mask (over all elements, or along dim)."""
     xz, m = _weights(x, mask)
     return (xz * m).sum() if dim is None else (xz * m).sum(dim)
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of x over positions where mask != 0; 0 where nothing is unmasked (no NaN)."""
     xz, m = _weights(x, mask)
     s = (xz * m).sum() if dim is None else (xz * m).sum(dim)

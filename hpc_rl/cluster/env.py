@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from typing import Optional
 
 from ..config import JobConfig
 from ..netutil import NODE_ADDR_ENV, interfaces, node_address  # noqa: F401 (interfaces: re-exported)
@@ -18,7 +17,7 @@ log = logging.getLogger("hpc_rl")
 SHM_MIN_BYTES = 1 << 30
 
 
-def shm_problem(path: str = "/dev/shm", min_bytes: int = SHM_MIN_BYTES) -> Optional[str]:
+def shm_problem(path: str = "/dev/shm", min_bytes: int = SHM_MIN_BYTES) -> str | None:
     """A one-line problem + fix when `path` is missing or smaller than `min_bytes`, else None."""
     try:
         st = os.statvfs(path)

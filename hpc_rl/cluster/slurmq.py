@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-from typing import Optional
 
 # States after which nothing of the job runs any more.
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -12,7 +11,7 @@ TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 _CMD_TIMEOUT_S = 30
 
 
-def _run(cmd: list[str]) -> Optional[str]:
+def _run(cmd: list[str]) -> str | None:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=_CMD_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
@@ -20,7 +19,7 @@ def _run(cmd: list[str]) -> Optional[str]:
     return p.stdout if p.returncode == 0 else None
 
 
-def _merge(states: list[str]) -> Optional[str]:
+def _merge(states: list[str]) -> str | None:
     """One state for a job with several components (hetjob): the least finished one wins."""
     states = [s.split()[0].rstrip("+") for s in states if s.strip()]
     if not states:
@@ -32,7 +31,7 @@ def _merge(states: list[str]) -> Optional[str]:
     return bad[0] if bad else "COMPLETED"
 
 
-def job_state(job_id: str) -> Optional[str]:
+def job_state(job_id: str) -> str | None:
     """Slurm's state of the job (RUNNING, COMPLETED, ...) or None when Slurm no longer knows it."""
     out = _run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"])
     if out and out.strip():
@@ -48,7 +47,7 @@ def job_state(job_id: str) -> Optional[str]:
     return None
 
 
-def job_nodes(job_id: str) -> Optional[str]:
+def job_nodes(job_id: str) -> str | None:
     """The job's node list (e.g. n[1-3]) while Slurm knows the job."""
     out = _run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%N"])
     if out and out.strip():

@@ -7,7 +7,6 @@ import pickle
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -21,7 +20,7 @@ CANCEL_WAIT_S = 90
 FOLLOW_POLL_S = 0.5
 
 
-def last_metrics(path: Path) -> Optional[dict]:
+def last_metrics(path: Path) -> dict | None:
     """The last complete JSON line of metrics.jsonl (reads only the file's tail)."""
     try:
         with open(path, "rb") as f:
@@ -41,7 +40,7 @@ def last_metrics(path: Path) -> Optional[dict]:
     return None
 
 
-def _submitit_result(run: RunDir, job_id: str) -> Optional[str]:
+def _submitit_result(run: RunDir, job_id: str) -> str | None:
     """COMPLETED/FAILED from submitit's result file of task 0, None when there is none."""
     path = run.root / "submitit" / f"{job_id}_0_result.pkl"
     try:
@@ -52,7 +51,7 @@ def _submitit_result(run: RunDir, job_id: str) -> Optional[str]:
     return "COMPLETED" if outcome == "success" else "FAILED"
 
 
-def _state_from_files(run: RunDir, job_id: Optional[str]) -> str:
+def _state_from_files(run: RunDir, job_id: str | None) -> str:
     if (run.root / CANCELLED_JSON).is_file():
         return "CANCELLED"
     if job_id:
@@ -109,7 +108,7 @@ def _fmt(info: dict) -> list[str]:
     return [info["run"], state, info["job_id"] or "local", step, reward, info["nodes"] or ""]
 
 
-def show_status(run: Optional[str], runs_dir: str = "runs", as_json: bool = False) -> int:
+def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) -> int:
     """List runs (or one run) with Slurm state, step and last reward."""
     runs = [find(run, runs_dir)] if run else _all_runs(runs_dir)
     infos = [run_info(r) for r in runs]
@@ -129,7 +128,7 @@ def show_status(run: Optional[str], runs_dir: str = "runs", as_json: bool = Fals
 # --------------------------------------------------------------------------- logs
 
 
-def _role_of_log(path: Path, trainer_nodes: int) -> Optional[str]:
+def _role_of_log(path: Path, trainer_nodes: int) -> str | None:
     """'trainer'/'rollout' for a log file, None for files of the whole job (batch script)."""
     name = path.name
     for role in ("trainer", "rollout"):
@@ -161,7 +160,7 @@ def show_logs(run: str, role: str = "all", follow: bool = False, runs_dir: str =
     """Print the run's logs for `role`; with follow, keep printing until the run ends (or Ctrl-C)."""
     rd = find(run, runs_dir)
     offsets: dict[Path, int] = {}
-    current: list[Optional[Path]] = [None]
+    current: list[Path | None] = [None]
 
     def pump() -> bool:
         wrote = False

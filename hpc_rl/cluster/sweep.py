@@ -24,7 +24,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import yaml
 
@@ -66,7 +66,7 @@ class SweepSpec:
     base: Path
     overrides: list = field(default_factory=list)   # applied to every point
     points: list = field(default_factory=list)
-    max_parallel: Optional[int] = None
+    max_parallel: int | None = None
     output_dir: str = DEFAULT_OUTPUT
 
 
@@ -111,7 +111,7 @@ def _override_sets(data: dict, path: str) -> list[dict]:
     return sets or [{}]
 
 
-def load_sweep(path: str | Path, extra_overrides: Optional[list[str]] = None) -> SweepSpec:
+def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> SweepSpec:
     """Read and check a sweep file; every point's job spec is validated (ConfigError names the point)."""
     p = Path(path)
     if not p.is_file():
@@ -191,7 +191,7 @@ def _array_setup(cfg: config.JobConfig, slot_dir: Path) -> list[str]:
     return lines
 
 
-def array_params(cfgs: list[config.JobConfig], slot_dir: Path, name: str, max_parallel: Optional[int]) -> dict:
+def array_params(cfgs: list[config.JobConfig], slot_dir: Path, name: str, max_parallel: int | None) -> dict:
     """submitit parameters shared by every element; ConfigError when points need different resources."""
     # Points differ in name (their run dir's); the array carries the sweep's.
     cfgs = [dataclasses.replace(c, name=name) for c in cfgs]
@@ -210,7 +210,7 @@ def array_params(cfgs: list[config.JobConfig], slot_dir: Path, name: str, max_pa
     return first
 
 
-def render_array(cfgs: list[config.JobConfig], sweep_root: Path, name: str, max_parallel: Optional[int],
+def render_array(cfgs: list[config.JobConfig], sweep_root: Path, name: str, max_parallel: int | None,
                  slot: int = 1) -> str:
     """The sbatch script submitit writes for the array (as --dry-run shows it)."""
     from submitit.slurm.slurm import _make_sbatch_string

@@ -7,7 +7,6 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 from ..metrics import read_metrics
 from ..rundir import RunDir
@@ -51,7 +50,7 @@ def _curve_stats(run: RunDir) -> dict:
             "reward_best": max(rewards) if rewards else None, "kl": last.get("kl")}
 
 
-def point_infos(root: Path, state: Optional[dict] = None) -> list[dict]:
+def point_infos(root: Path, state: dict | None = None) -> list[dict]:
     """Status of every point of the sweep (same keys for --json and the table)."""
     state = state or load_state(root)
     out = []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
 
 from ..errors import DataError, first_line
 from ..rewards.gsm8k import ground_truth_of
@@ -65,7 +64,7 @@ def _split_of(path: Path) -> str:
     return "test" if "test" in path.stem.lower() else "train"
 
 
-def load_source(source: Optional[str]) -> dict[str, list[dict]]:
+def load_source(source: str | None) -> dict[str, list[dict]]:
     """{split: raw rows} from the hub (source None) or a local copy."""
     if source is None:
         try:
@@ -102,7 +101,7 @@ def load_source(source: Optional[str]) -> dict[str, list[dict]]:
     raise DataError(f"--source {source}: not found; pass a GSM8K jsonl/parquet file or folder")
 
 
-def prepare_dataset(name: str, out: str, source: Optional[str] = None) -> int:
+def prepare_dataset(name: str, out: str, source: str | None = None) -> int:
     """Write OUT/{train,test}.parquet in verl's format; returns the exit code."""
     if name != "gsm8k":
         raise DataError(f"dataset {name!r} is not known; available: gsm8k")

@@ -1,3 +1,3 @@
 """The doctor's checks, one module per area; importing this package registers them (order = output order)."""
 
-from . import env, cuda, system, slurm, job  # noqa: F401
+from . import cuda, env, job, slurm, system  # noqa: F401

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 from ..doctor import FAIL, OK, WARN, Ctx, Result, check, run_cmd
 from .probes import find_on_ld_path, lib_version
@@ -13,7 +12,7 @@ CPU_OK = "no GPU: CPU stack"
 ACTIVATE_FIX = "source envs/activate.sh (it puts the env's libraries first), or drop that folder from LD_LIBRARY_PATH"
 
 
-def _mm(v: Optional[str]) -> Optional[tuple]:
+def _mm(v: str | None) -> tuple | None:
     """'12.4.127' -> (12, 4)."""
     if not v:
         return None
@@ -21,7 +20,7 @@ def _mm(v: Optional[str]) -> Optional[tuple]:
     return tuple(parts) if parts else None
 
 
-def cudnn_str(v: Optional[int]) -> Optional[str]:
+def cudnn_str(v: int | None) -> str | None:
     """torch.backends.cudnn.version() -> 'M.m.p' (cuDNN 9: 90100 -> 9.1.0; cuDNN 8: 8902 -> 8.9.2)."""
     if not v:
         return None
@@ -72,7 +71,7 @@ def check_driver(ctx: Ctx) -> Result:
     return Result("cuda:driver", OK, f"driver {smi.get('driver')} (CUDA {smi.get('cuda')}) >= torch's CUDA {t['cuda']}")
 
 
-def _lib_check(ctx: Ctx, name: str, stem: str, want: Optional[str], what: str) -> Result:
+def _lib_check(ctx: Ctx, name: str, stem: str, want: str | None, what: str) -> Result:
     """Which `stem` the process loads (mapped, else first on LD_LIBRARY_PATH) and whether it matches `want`."""
     ld = ctx.environ.get("LD_LIBRARY_PATH", "")
     path = ctx.loaded_libs.get(stem)

@@ -7,7 +7,6 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 from ..doctor import FAIL, OK, REPO, WARN, Ctx, Result, check
 from .stacks import load_stack
@@ -22,7 +21,7 @@ MODULES = [
 ]
 
 
-def dist_version(*names: str) -> tuple[Optional[str], Optional[str]]:
+def dist_version(*names: str) -> tuple[str | None, str | None]:
     """(distribution name, version) of the first installed of `names`, else (None, None)."""
     for n in names:
         try:
@@ -32,7 +31,7 @@ def dist_version(*names: str) -> tuple[Optional[str], Optional[str]]:
     return None, None
 
 
-def _env_location(name: str, cwd: Path) -> Optional[str]:
+def _env_location(name: str, cwd: Path) -> str | None:
     """Where `name` is found with the current directory taken off sys.path (no import is run)."""
     mod = sys.modules.get(name)
     if mod is not None and getattr(mod, "__file__", None):
@@ -54,7 +53,7 @@ def _env_location(name: str, cwd: Path) -> Optional[str]:
     return os.path.realpath(locs[0]) if locs else None
 
 
-def _shadow(name: str, cwd: Path) -> Optional[Path]:
+def _shadow(name: str, cwd: Path) -> Path | None:
     """A file or folder in `cwd` that `python` run from there would import instead of the env's `name`."""
     for cand in (cwd / f"{name}.py", cwd / name):
         if cand.is_file() or (cand.is_dir() and not cand.name.endswith(".py")):
@@ -121,7 +120,7 @@ def _satisfies(version: str, req) -> bool:
     return all(s.operator == "==" for s in req.specifier) and req.specifier.contains(base, prereleases=True)
 
 
-def current_stack(ctx: Ctx) -> Optional[dict]:
+def current_stack(ctx: Ctx) -> dict | None:
     """The stack this env was installed as (install-lock.txt), else the one torch's build implies."""
     name = ctx.lock.get("stack")
     if not name:

@@ -7,12 +7,11 @@ import importlib.util
 import os
 import re
 from pathlib import Path
-from typing import Optional
 
 from ..doctor import run_cmd
 
 
-def read_torch_version_file() -> Optional[dict]:
+def read_torch_version_file() -> dict | None:
     """{version, cuda} from torch/version.py without importing torch (an import costs seconds)."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
@@ -60,7 +59,7 @@ def torch_facts() -> dict:
     return facts
 
 
-def nvidia_smi_facts() -> Optional[dict]:
+def nvidia_smi_facts() -> dict | None:
     """Driver version, the CUDA version it supports and the GPUs, from nvidia-smi (None without one)."""
     q = run_cmd(["nvidia-smi", "--query-gpu=index,uuid,name,driver_version", "--format=csv,noheader"], 15)
     if q is None or q.returncode != 0:
@@ -82,7 +81,7 @@ def nvidia_smi_facts() -> Optional[dict]:
 _SONAME_VER = re.compile(r"\.so\.([0-9]+(?:\.[0-9]+)*)$")
 
 
-def lib_version(path: str) -> Optional[str]:
+def lib_version(path: str) -> str | None:
     """'libcudart.so.12.4.127' -> '12.4.127'; follows symlinks (libcudart.so.12 -> the real file)."""
     real = os.path.realpath(path)
     for p in (real, path):

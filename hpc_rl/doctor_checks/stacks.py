@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Optional
 
 from ..doctor import REPO
 
@@ -27,7 +26,7 @@ def all_stacks(stacks_dir: Path = STACKS_DIR) -> dict[str, dict]:
     return {p.stem: load_stack(p.stem, stacks_dir) for p in sorted(stacks_dir.glob("*.env"))}
 
 
-def read_lock(prefix: Optional[str] = None) -> dict:
+def read_lock(prefix: str | None = None) -> dict:
     """The `# key: value` header of PREFIX/install-lock.txt (empty when the env was not made by install.sh)."""
     path = Path(prefix or sys.prefix) / "install-lock.txt"
     out = {}

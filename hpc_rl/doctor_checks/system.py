@@ -6,7 +6,6 @@ import errno
 import ipaddress
 import socket
 import threading
-from typing import Optional
 
 from ..doctor import FAIL, OK, WARN, Ctx, Result, check
 
@@ -33,7 +32,7 @@ def check_shm(ctx: Ctx) -> Result:
     return Result("shm", OK, msg)
 
 
-def port_free(port: int, host: str = "0.0.0.0") -> Optional[str]:
+def port_free(port: int, host: str = "0.0.0.0") -> str | None:
     """None when `port` can be bound (as torch's TCPStore does: SO_REUSEADDR), else the reason."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -70,7 +69,7 @@ def check_ports(ctx: Ctx) -> list[Result]:
     return out
 
 
-def resolve(name: str, timeout: float = 5.0) -> Optional[list[str]]:
+def resolve(name: str, timeout: float = 5.0) -> list[str] | None:
     """IP addresses of `name` (None on failure or after `timeout`: a broken DNS must not hang the doctor)."""
     box: dict = {}
 

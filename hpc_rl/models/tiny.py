@@ -8,8 +8,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from ..config import TinyModelConfig
 

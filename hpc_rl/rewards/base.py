@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -39,7 +39,7 @@ def _as_float(value, spec: str, index: int) -> float:
         f = float(value)
     elif isinstance(value, np.ndarray) and value.shape == ():
         f = float(value)
-    elif hasattr(value, "shape") and tuple(getattr(value, "shape")) == () and hasattr(value, "item"):
+    elif hasattr(value, "shape") and tuple(value.shape) == () and hasattr(value, "item"):
         f = float(value.item())
     else:
         shape = getattr(value, "shape", None)

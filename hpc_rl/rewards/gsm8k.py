@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal, InvalidOperation
-from typing import Optional
 
 # verl clips the completion before the regex: a long ramble cannot hide an early `####`.
 SOLUTION_CLIP_CHARS = 300
@@ -21,7 +20,7 @@ def _clean(number: str) -> str:
     return number.replace(",", "").replace("$", "").strip()
 
 
-def extract_solution(text: str, method: str = "strict") -> Optional[str]:
+def extract_solution(text: str, method: str = "strict") -> str | None:
     """The final answer in `text` as a string without `,`/`$`, or None when there is none."""
     if method not in ("strict", "flexible"):
         raise ValueError(f"method must be 'strict' or 'flexible', got {method!r}")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import requests
 
@@ -100,7 +100,7 @@ class RolloutClient:
         self.refresh()
 
     @classmethod
-    def from_run_dir(cls, run: RunDir, cfg) -> "RolloutClient":
+    def from_run_dir(cls, run: RunDir, cfg) -> RolloutClient:
         """A client for the run's servers, with timeouts/retries/weight transport from cfg.rollout."""
         r = cfg.rollout
         dev = cfg.trainer.device
@@ -258,7 +258,7 @@ class RolloutClient:
         def one(i: int) -> dict:
             tried: list[str] = []
             start = servers[i % len(servers)].index
-            for attempt in range(self.retries + 1):
+            for _attempt in range(self.retries + 1):
                 live = self._healthy()
                 if not live:
                     break

@@ -19,8 +19,9 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable, Iterator
 from datetime import timedelta
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import torch
 

@@ -59,21 +59,21 @@ class Engine(abc.ABC):
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
 
     @abc.abstractmethod
-    def param_specs(self) -> dict[str, tuple[tuple[int, ...], "torch.dtype"]]:
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """HF state-dict name -> (shape, dtype) of every weight the engine accepts."""
 
     @abc.abstractmethod
-    def load_weights(self, named_tensors: list[tuple[str, "torch.Tensor"]]) -> None:
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Copy the (validated) tensors into the model in place; cast to the engine's dtype."""
 
-    def reset_cache(self) -> None:
+    def reset_cache(self) -> None:  # noqa: B027 (an optional hook: engines without caches keep this no-op)
         """Drop any cached state computed with old weights (prefix/KV caches)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook, like reset_cache)
         """Release the engine's resources."""
 
 
-def make_engine(cfg: "JobConfig", device: str = "cpu") -> Engine:
+def make_engine(cfg: JobConfig, device: str = "cpu") -> Engine:
     """The engine cfg.rollout.engine names: "hf", "vllm", or "auto" (vLLM when it imports and starts, else HF)."""
     choice = cfg.rollout.engine
     if choice == "hf":

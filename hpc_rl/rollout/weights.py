@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 

@@ -27,11 +27,11 @@ class Batch:
     def responses(self) -> torch.Tensor:
         return self.input_ids[:, self.prompt_len:]
 
-    def slice(self, idx) -> "Batch":
+    def slice(self, idx) -> Batch:
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
                      self.response_mask[idx], self.prompt_len)
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
                      self.response_mask.to(device), self.prompt_len)
 

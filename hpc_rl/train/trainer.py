@@ -10,8 +10,7 @@ import time
 import numpy as np
 import torch
 
-from ..algos.advantages import (broadcast_sequence_advantage, gae, grpo_advantages, reinforce_pp_advantages,
-                                rloo_advantages)
+from ..algos.advantages import broadcast_sequence_advantage, gae, grpo_advantages, reinforce_pp_advantages, rloo_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.losses import aggregate, policy_loss, value_loss
 from ..algos.utils import masked_mean, masked_whiten
