@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from .algos.registry import ALGORITHMS, algorithm
 from .errors import ConfigError, first_line
 
 # --------------------------------------------------------------------------- sections
@@ -25,15 +26,23 @@ from .errors import ConfigError, first_line
 class TinyModelConfig:
     """A small random-init model built offline (tests and CPU toys); saved as a normal HF folder."""
 
+    # Architecture of the HF model class built from a config.
     arch: Literal["qwen2", "llama"] = "qwen2"
+    # Width of the residual stream.
     hidden_size: int = 128
+    # Transformer blocks.
     num_layers: int = 2
+    # Attention (query) heads.
     num_heads: int = 2
+    # Key/value heads (grouped-query attention when fewer than num_heads; must divide it).
     num_kv_heads: int = 2
-    # vLLM's CPU attention rejects head_dim 16; 64 works on both engines.
+    # Per-head width; vLLM's CPU attention rejects 16, 64 works on both engines.
     head_dim: int = 64
+    # Width of the MLP.
     intermediate_size: int = 256
+    # Longest sequence the model's position embeddings cover.
     max_position_embeddings: int = 512
+    # Seed of the random initial weights (the tokenizer is trained on the task's symbols).
     init_seed: int = 0
 
 
@@ -41,12 +50,19 @@ class TinyModelConfig:
 class ModelConfig:
     """The policy (actor); the critic and the reference start from the same weights unless named."""
 
+    # HF model folder (config.json, weights, tokenizer files) of the policy; or set `tiny` instead.
     path: str | None = None
+    # Build a tiny random model offline instead of loading `path` (toys and tests).
     tiny: TinyModelConfig | None = None
+    # HF folder the critic starts from (PPO); null: the policy's weights with a fresh value head.
     critic_path: str | None = None
+    # Training precision of actor, critic and reference.
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Attention kernel of the trainer's models (flash_attention_2 needs the flash-attn package and a GPU).
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] = "sdpa"
+    # Recompute activations in the backward pass: less memory, ~30% more compute.
     gradient_checkpointing: bool = False
+    # Allow code shipped inside the model folder to run (transformers' trust_remote_code).
     trust_remote_code: bool = False
 
 
@@ -54,11 +70,17 @@ class ModelConfig:
 class DataConfig:
     """Prompt dataset: `toy:NAME`, a .jsonl/.parquet file, or `hf:NAME` (an HF datasets name or folder)."""
 
+    # Where the prompts come from: toy:NAME, a .jsonl/.parquet file, or hf:NAME.
     source: str = "toy:repeat_digit"
+    # The split of an hf: dataset.
     split: str = "train"
+    # The row field holding the prompt (a string, or a chat as a list of {role, content}).
     prompt_key: str = "prompt"
+    # Longest prompt in tokens; a longer one is an error at load naming its row.
     max_prompt_tokens: int = 128
+    # Number of rows a toy: dataset generates.
     toy_size: int = 2000
+    # Sample prompts in a seeded random order (false: in file order); either way a resume sees the same data.
     shuffle: bool = True
 
 
@@ -66,176 +88,310 @@ class DataConfig:
 class RewardConfig:
     """A reward is a callable `pkg.mod:fn(prompt, completion, **row_fields) -> float`."""
 
+    # The reward callable as pkg.module:function (importable by the trainer ranks).
     function: str = "hpc_rl.rewards.toy:repeat_digit"
+    # Extra keyword arguments passed to every call.
     kwargs: dict = field(default_factory=dict)
     # batched: fn(prompts, completions, **fields_as_lists) -> B floats, for functions that vectorize.
     batched: bool = False
+    # Multiply every reward by this.
     scale: float = 1.0
+    # Standardize rewards with running mean/std over the whole run (kept in checkpoints).
     normalize: bool = False
+    # Clip rewards to [-clip, clip] after scaling/normalizing; null: no clipping.
     clip: float | None = None
 
 
 @dataclass
 class KLConfig:
+    """The KL(policy || reference) penalty; a reference model is built only when coef > 0 or adaptive."""
+
+    # KL coefficient beta (the initial one when adaptive).
     coef: float = 0.0
+    # Per-token estimator (Schulman's k1/k2/k3, http://joschu.net/blog/kl-approx.html).
     estimator: Literal["k1", "k2", "k3"] = "k3"
-    # PPO puts KL into the per-token reward; GRPO adds it to the loss.
+    # Put the KL into the per-token rewards (true) or add it to the loss (false); null: the algorithm's
+    # default (PPO and REINFORCE++: rewards; GRPO and RLOO: loss, the only place they allow).
     in_reward: bool | None = None
+    # Steer coef toward `target` KL (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593).
     adaptive: bool = False
+    # KL the adaptive controller aims for.
     target: float = 0.1
+    # Samples over which the adaptive controller moves coef by at most 20%.
     horizon: int = 10000
+
+
+AlgorithmName = Literal[tuple(ALGORITHMS)]  # noqa: PYI047 (the registry's names, checked at load)
 
 
 @dataclass
 class AlgorithmConfig:
-    name: Literal["ppo", "grpo", "rloo", "reinforce_pp"] = "grpo"
+    """The RL algorithm (see hpc_rl/algos/registry.py) and its loss settings."""
+
+    # Advantage estimator and what it needs: ppo (GAE + critic), grpo, rloo, reinforce_pp.
+    name: AlgorithmName = "grpo"
+    # Samples generated per prompt (GRPO/RLOO compare them with each other).
     group_size: int = 8
+    # Discount over response tokens (GAE, REINFORCE++).
     gamma: float = 1.0
+    # GAE's lambda (PPO).
     lam: float = 0.95
+    # PPO clip: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio].
     clip_ratio: float = 0.2
-    value_clip: float = 0.2
+    # DAPO's decoupled upper clip (https://arxiv.org/abs/2503.14476): the ratio is clipped to
+    # [1 - clip_ratio, 1 + clip_ratio_high]; null: the same as clip_ratio.
+    clip_ratio_high: float | None = None
+    # Clip of the critic's value change per update (PPO); null: no clipping.
+    value_clip: float | None = 0.2
+    # Weight of the value loss (PPO).
     value_coef: float = 0.5
+    # Weight of the entropy bonus (0: none).
     entropy_coef: float = 0.0
+    # How token losses become one number: mean over all tokens, or per sequence then over sequences.
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # GRPO: divide by the group's std (false: Dr. GRPO, https://arxiv.org/abs/2503.20783).
     norm_adv_by_std: bool = True
+    # PPO: whiten the GAE advantages over the whole batch.
     whiten_advantages: bool = True
+    # Passes over the step's samples (each pass: all mini-batches).
     ppo_epochs: int = 1
+    # The KL penalty to the reference model.
     kl: KLConfig = field(default_factory=KLConfig)
 
     @property
     def uses_critic(self) -> bool:
-        return self.name == "ppo"
+        return algorithm(self.name).needs_critic
 
     @property
     def kl_in_reward(self) -> bool:
         if self.kl.in_reward is not None:
             return self.kl.in_reward
-        return self.name in ("ppo", "reinforce_pp")
+        return algorithm(self.name).kl_in_reward
 
 
 @dataclass
 class TrainerConfig:
+    """The trainer ranks (DeepSpeed actor, critic, reference) and the optimization."""
+
+    # Trainer nodes of a Slurm job (a local run uses this machine only).
     nodes: int = 1
+    # Trainer ranks per node (one per GPU; on CPU, processes).
     procs_per_node: int = 2
+    # Where the ranks compute; auto: cuda when a GPU is visible.
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # GPUs of this machine the trainer ranks use in `hpc-rl run` (empty: the first procs_per_node).
     local_devices: list = field(default_factory=list)
+    # RL steps (each: generate, score, update, push weights).
     steps: int = 50
+    # Prompts per step; samples per step = prompts_per_step x algorithm.group_size.
     prompts_per_step: int = 16
+    # Samples per optimizer step (over all ranks); must divide the samples per step.
     mini_batch_size: int = 64
+    # Samples per forward/backward on one rank (gradient accumulation); 0: the whole per-rank mini-batch.
     micro_batch_size: int = 0
+    # Actor learning rate (AdamW).
     lr: float = 1e-5
+    # Critic learning rate; null: the same as lr.
     critic_lr: float | None = None
+    # AdamW weight decay.
     weight_decay: float = 0.0
+    # AdamW betas.
     betas: list = field(default_factory=lambda: [0.9, 0.999])
+    # Optimizer steps of linear learning-rate warm-up.
     warmup_steps: int = 0
+    # Gradient norm clip (0 disables it).
     grad_clip: float = 1.0
+    # DeepSpeed ZeRO stage of actor and critic (3: parameters, gradients and optimizer state sharded).
     zero_stage: Literal[0, 1, 2, 3] = 3
+    # Stop the run after this many steps in a row with a non-finite loss or gradient (each one is skipped).
     max_nonfinite_steps: int = 3
+    # Merged into the rendered DeepSpeed config (any DeepSpeed key).
     deepspeed: dict = field(default_factory=dict)
+    # Timeout of the ranks' collectives (torch.distributed) in seconds.
     dist_timeout_s: int = 600
     # Every N steps, compare the rollout server's log-probs of one sample with the actor's after the
     # weight push (0 = never); a mismatch beyond sync_tolerance stops the run.
     check_sync_every: int = 0
+    # Largest accepted |log-prob difference| of that check (fp32: ~1e-4; bf16 engines: ~0.06).
     sync_tolerance: float = 1e-3
 
 
 @dataclass
 class RolloutConfig:
+    """The rollout servers: engine, sampling, placement, weight sync and timeouts."""
+
+    # Generation engine; auto: vllm when it imports, else the HF engine.
     engine: Literal["auto", "vllm", "hf"] = "auto"
+    # Rollout nodes of a Slurm job (0: the servers share the first trainer node).
     nodes: int = 1
+    # Rollout servers per rollout node (e.g. one per GPU group of tensor_parallel GPUs).
     servers_per_node: int = 1
+    # GPUs of this machine the rollout servers use in `hpc-rl run` (tensor_parallel per server).
     local_devices: list = field(default_factory=list)
+    # Address the servers bind; 0.0.0.0 (all interfaces) so that other nodes reach them.
     host: str = "0.0.0.0"
+    # Port the servers bind; 0: a free one, published in the run dir.
     port: int = 0
+    # Sampling temperature (also applied to the trainer's log-probs).
     temperature: float = 1.0
+    # Nucleus sampling mass (1: off).
     top_p: float = 1.0
+    # Top-k sampling (-1: off).
     top_k: int = -1
+    # Longest response in tokens.
     max_new_tokens: int = 16
+    # Strings that end a response (each must be one token).
     stop: list = field(default_factory=list)
+    # GPUs per vLLM server (tensor parallelism).
     tensor_parallel: int = 1
+    # vLLM: fraction of GPU memory for weights + KV cache (on CPU: of one NUMA node's RAM, used only when
+    # kv_cache_bytes is 0).
     gpu_memory_utilization: float = 0.2
     # vLLM's KV cache in bytes (its kv_cache_memory_bytes), on CPU and GPU. null: on CPU derived from the job
     # (concurrent sequences x max_model_len x the model's K/V bytes per token), on GPU sized by vLLM from
     # gpu_memory_utilization; 0: always from gpu_memory_utilization (on CPU a fraction of a NUMA node's RAM).
     kv_cache_bytes: int | None = None
+    # Longest prompt + response the engine accepts.
     max_model_len: int = 256
+    # vLLM: no CUDA graphs (faster start, slower decode).
     enforce_eager: bool = True
+    # Engine precision; auto: bfloat16 for vLLM, the model's for HF.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # How new weights reach the servers: a collective broadcast, a file on the shared filesystem, or HTTP;
+    # auto: collective where possible.
     weight_sync: Literal["auto", "collective", "file", "http"] = "auto"
+    # Seconds one request (a generation chunk, a weight push) may take before it is retried elsewhere.
     request_timeout_s: float = 300.0
+    # Retries of a failed request on other servers.
     retries: int = 2
+    # Seconds to wait for every rollout server to come up.
     startup_timeout_s: float = 900.0
+    # Accept samples from a policy this many versions behind the trainer (0: strictly on-policy).
     max_policy_lag: int = 0
 
 
 @dataclass
 class CheckpointConfig:
+    """Checkpoints: checkpoints/step_N/{hf,deepspeed}/, written atomically."""
+
+    # Save every N steps (and at the end); 0: only when preempted or stopped.
     every: int = 0
+    # Keep the newest K checkpoints.
     keep_last: int = 2
+    # Also write the actor as an HF model folder (what `hpc-rl export` and from_pretrained read).
     save_hf: bool = True
 
 
 @dataclass
 class NCCLConfig:
+    """NCCL settings exported to every process of the job."""
+
+    # NCCL_SOCKET_IFNAME: the network interface NCCL uses (e.g. ib0); null: NCCL's choice.
     socket_ifname: str | None = None
+    # NCCL_IB_DISABLE: true turns InfiniBand off (a broken fabric); null: NCCL's choice.
     ib_disable: bool | None = None
+    # NCCL_DEBUG level (e.g. INFO to see the chosen transports); null: WARN.
     debug: str | None = None
+    # Seconds a collective may hang before NCCL aborts it (instead of a silent hang).
     timeout_s: int = 1800
 
 
 @dataclass
 class EnvConfig:
+    """The environment of every process of the job."""
+
+    # Variables exported to every process (they win over everything else).
     vars: dict = field(default_factory=dict)
+    # NCCL settings.
     nccl: NCCLConfig = field(default_factory=NCCLConfig)
 
 
 @dataclass
 class SlurmConfig:
+    """What `hpc-rl submit` asks Slurm for."""
+
+    # Partition (#SBATCH --partition); null: the cluster's default.
     partition: str | None = None
+    # Account to charge (--account).
     account: str | None = None
+    # Quality of service (--qos).
     qos: str | None = None
+    # Time limit, Slurm's spelling (HH:MM:SS, D-HH:MM:SS, minutes).
     time: str = "01:00:00"
+    # GPUs per node (--gpus-per-node); 0: none.
     gpus_per_node: int = 0
+    # CPUs of the one task per node (--cpus-per-task).
     cpus_per_task: int | None = None
+    # Memory per node, Slurm's spelling (64G; 0 = the whole node).
     mem: str | None = None
+    # Node features (--constraint).
     constraint: str | None = None
+    # Whole nodes only (--exclusive).
     exclusive: bool = False
+    # Seconds before the time limit (or preemption) Slurm warns the job: checkpoint, then requeue.
     signal_delay_s: int = 120
+    # Let Slurm requeue the job (preemption, time limit).
     requeue: bool = True
     # After a crash of the trainer (a rank died, a node was lost), requeue the job up to this many
     # times; it resumes from the latest checkpoint (0 = fail the job).
     requeue_on_failure: int = 0
+    # E-mail address for Slurm's notifications.
     mail_user: str | None = None
+    # Which notifications (BEGIN, END, FAIL, ALL).
     mail_type: str | None = None
+    # Sweeps: at most this many array elements run at once (the %N throttle).
     array_parallelism: int | None = None
+    # single: one job of all nodes; hetjob: trainer and rollout nodes as components (own partitions/GPUs).
     layout: Literal["single", "hetjob"] = "single"
+    # hetjob: partition of the rollout component; null: `partition`.
     rollout_partition: str | None = None
+    # hetjob: GPUs per rollout node; null: gpus_per_node.
     rollout_gpus_per_node: int | None = None
+    # Any other #SBATCH option as {name: value} (true: a bare flag).
     additional: dict = field(default_factory=dict)
+    # Shell lines run on every node before the job (module load ..., source ...).
     setup: list = field(default_factory=list)
 
 
 @dataclass
 class LoggingConfig:
+    """Per-step metrics: metrics.jsonl always, TensorBoard when enabled, a step line on the console."""
+
+    # Also write TensorBoard events (RUN/tensorboard/).
     tensorboard: bool = True
+    # Print the step line every N steps (metrics.jsonl gets every step).
     every: int = 1
 
 
 @dataclass
 class JobConfig:
+    """A whole job spec."""
+
+    # Name of the run (the run dir is OUTPUT_DIR/NAME-YYYYmmdd-HHMMSS, the Slurm job name).
     name: str = "job"
+    # Seed of data order, sampling and initialization.
     seed: int = 1
+    # Folder the run dirs go into.
     output_dir: str = "runs"
+    # The policy model.
     model: ModelConfig = field(default_factory=ModelConfig)
+    # The prompts.
     data: DataConfig = field(default_factory=DataConfig)
+    # The reward function.
     reward: RewardConfig = field(default_factory=RewardConfig)
+    # The RL algorithm and its loss.
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    # The trainer ranks and the optimization.
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The rollout servers.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Checkpoints.
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # The processes' environment.
     env: EnvConfig = field(default_factory=EnvConfig)
+    # Slurm resources.
     slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    # Metrics and the step line.
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
@@ -246,17 +402,23 @@ class JobConfig:
     def world_size(self) -> int:
         return self.trainer.nodes * self.trainer.procs_per_node
 
+    @property
+    def rollout_servers(self) -> int:
+        """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth)."""
+        return max(1, self.rollout.nodes) * self.rollout.servers_per_node
+
 
 # --------------------------------------------------------------------------- building from dicts
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """How a config type reads in messages and `hpc-rl config show` ("an integer or null")."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
+        return " or ".join(type_name(a) for a in args) + " or null"
     if dataclasses.is_dataclass(tp):
         return "a mapping"
     return {int: "an integer", float: "a number", str: "a string", bool: "true/false",
@@ -277,7 +439,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
         extra = f" (did you mean {hint[0]!r}?)" if hint else ""
-        raise ConfigError(f"{key}: {value!r} is not valid; use {_type_name(tp)}{extra}")
+        raise ConfigError(f"{key}: {value!r} is not valid; use {type_name(tp)}{extra}")
     if dataclasses.is_dataclass(tp):
         if value is None:  # an empty YAML section (`algorithm:` with all keys commented out): the defaults
             return tp()
@@ -317,7 +479,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return value
     else:  # pragma: no cover - a field type this loader does not know is a bug
         raise TypeError(f"unsupported config field type {tp!r} at {key}")
-    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{key}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
 def _build(cls: type, data: dict, prefix: str) -> Any:
@@ -396,10 +558,15 @@ def validate(cfg: JobConfig) -> JobConfig:
              "model.tiny.num_kv_heads must divide model.tiny.num_heads")
         need(tm.hidden_size > 0 and tm.num_layers > 0 and tm.head_dim > 0, "model.tiny: sizes must be positive")
     need(a.group_size >= 1, "algorithm.group_size must be >= 1")
-    if a.name in ("grpo", "rloo"):
+    if algorithm(a.name).group_baseline:
         need(a.group_size >= 2, f"algorithm.group_size must be >= 2 for {a.name} "
              f"(advantages compare samples of the same prompt); got {a.group_size}")
+        need(a.kl.in_reward is not True, f"algorithm.kl.in_reward: {a.name} computes advantages from whole-sequence "
+             "scores, so the KL penalty cannot go into per-token rewards; use algorithm.kl.in_reward: false (a loss term)")
     need(0 < a.clip_ratio < 1, f"algorithm.clip_ratio must be in (0, 1); got {a.clip_ratio}")
+    need(a.value_clip is None or a.value_clip > 0, f"algorithm.value_clip must be > 0 or null (no clipping); got {a.value_clip}")
+    need(a.clip_ratio_high is None or 0 < a.clip_ratio_high < 10,
+         f"algorithm.clip_ratio_high must be in (0, 10) (DAPO uses 0.28) or null; got {a.clip_ratio_high}")
     need(0 <= a.gamma <= 1, f"algorithm.gamma must be in [0, 1]; got {a.gamma}")
     need(0 <= a.lam <= 1, f"algorithm.lam must be in [0, 1]; got {a.lam}")
     need(a.ppo_epochs >= 1, "algorithm.ppo_epochs must be >= 1")
@@ -503,8 +670,3 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
 def dump(cfg: JobConfig) -> str:
     """YAML text of the fully resolved config."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def from_resolved(path: str | Path) -> JobConfig:
-    """Reload a run dir's job.yaml (written by dump)."""
-    return load(path)

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hpc_rl.algos import discounted_returns, masked_whiten, reinforce_pp_advantages
+from hpc_rl.algos.advantages import discounted_returns, reinforce_pp_advantages
+from hpc_rl.algos.utils import masked_whiten
 
 # Rank-local batches of different sizes; rank 1's padding holds garbage that must not leak in.
 XS = [

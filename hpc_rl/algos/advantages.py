@@ -28,6 +28,8 @@ def gae(
     delta_t = r_t + gamma * V_{t+1} - V_t, A_t = delta_t + gamma * lam * A_{t+1}; the value after
     the last valid token is 0 (the episode ends there). Not whitened: callers whiten (masked_whiten)
     when algorithm.whiten_advantages is set, so they can do it over the global batch.
+    Schulman et al. 2015, https://arxiv.org/abs/1506.02438; as verl's compute_gae_advantage_return
+    (https://github.com/volcengine/verl/blob/main/verl/trainer/ppo/core_algos.py).
     """
     r = _zero_masked(token_rewards, mask)
     v = _zero_masked(values, mask)
@@ -62,6 +64,8 @@ def grpo_advantages(
     torch.std, i.e. unbiased (Bessel), as in verl. norm_by_std=False gives r - mean (Dr. GRPO).
     A group whose rewards are all equal gets exactly 0 (not float noise / eps); a group of
     one sample keeps its score (mean 0, std 1), as verl does.
+    Shao et al. 2024 (DeepSeekMath), https://arxiv.org/abs/2402.03300; without std: Liu et al. 2025,
+    https://arxiv.org/abs/2503.20783; verl's compute_grpo_outcome_advantage.
     """
     g = _groups(scores, group_size)
     if group_size == 1:
@@ -75,7 +79,11 @@ def grpo_advantages(
 
 @torch.no_grad()
 def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
-    """REINFORCE leave-one-out: r_i minus the mean of the other G-1 samples of its group, [B]."""
+    """REINFORCE leave-one-out: A_i = r_i - (sum_j r_j - r_i) / (G - 1) over its group, [B].
+
+    Kool et al. 2019, https://openreview.net/forum?id=r1lgTGL5DE; Ahmadian et al. 2024,
+    https://arxiv.org/abs/2402.14740; verl's compute_rloo_outcome_advantage.
+    """
     if group_size < 2:
         raise ValueError(f"RLOO needs group_size >= 2 (a baseline from the other samples); got {group_size}")
     g = _groups(scores, group_size)
@@ -87,7 +95,8 @@ def rloo_advantages(scores: torch.Tensor, group_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """Returns-to-go G_t = r_t + gamma * G_{t+1} over the response tokens, [B, T]."""
+    """Returns-to-go G_t = r_t + gamma * G_{t+1} over the response tokens, [B, T] (Sutton & Barto, ch. 3:
+    http://incompleteideas.net/book/the-book-2nd.html)."""
     r = _zero_masked(token_rewards, mask)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
@@ -105,7 +114,9 @@ def reinforce_pp_advantages(
     distributed: bool = False,
     group=None,
 ) -> torch.Tensor:
-    """REINFORCE++ (OpenRLHF): discounted returns-to-go, whitened over all valid tokens of the batch.
+    """REINFORCE++: A_t = whiten(G_t), the discounted returns-to-go whitened over all valid tokens of the batch.
+
+    Hu 2025, https://arxiv.org/abs/2501.03262; OpenRLHF's REINFORCE++ (https://github.com/OpenRLHF/OpenRLHF).
 
     distributed=True whitens with global-batch statistics across torch.distributed ranks.
     """

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from .utils import LOG_RATIO_CLAMP
+
 KL_KINDS = ("k1", "k2", "k3")
 
-# exp(ref - logp) overflows for extreme tokens; clamping the log-ratio keeps k3 finite (verl does too).
-_LOG_RATIO_CLAMP = 20.0
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
 
     k1 = logp - ref (unbiased, can be negative); k2 = 0.5 * (logp - ref)^2; k3 = exp(ref - logp)
-    - (ref - logp) - 1 (unbiased, low variance, always >= 0).
+    - (ref - logp) - 1 (unbiased, low variance, always >= 0). http://joschu.net/blog/kl-approx.html
     """
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -22,7 +22,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        x = (-log_ratio).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        x = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return torch.exp(x) - x - 1.0
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
 
@@ -44,7 +44,8 @@ class FixedKLController:
 
 
 class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019; TRL/verl): steers the observed KL toward target."""
+    """Adaptive KL coefficient: steers the observed KL toward target (Ziegler et al. 2019,
+    https://arxiv.org/abs/1909.08593; as TRL's and verl's AdaptiveKLController)."""
 
     def __init__(self, init_coef: float, target: float, horizon: int):
         self.value = float(init_coef)
@@ -78,7 +79,8 @@ def apply_kl_to_rewards(
     """PPO "KL in reward": -coef * kl on every response token, plus the sequence score on the last one.
 
     scores [B], kl_per_token/mask [B, T] -> token_rewards [B, T]. A row with no valid token gets no
-    score (there is no token to put it on).
+    score (there is no token to put it on). Ziegler et al. 2019, https://arxiv.org/abs/1909.08593; as verl's
+    apply_kl_penalty and OpenRLHF's compute_reward.
     """
     m = mask.to(torch.bool)
     rewards = torch.where(m, -coef * kl_per_token, torch.zeros_like(kl_per_token))

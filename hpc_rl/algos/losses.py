@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from .utils import masked_mean
+from ..config import AlgorithmConfig
+from .kl import kl_estimate
+from .utils import LOG_RATIO_CLAMP, masked_mean
 
 AGG_MODES = ("token_mean", "seq_mean")
 
-# Log-ratios are clamped before exp() so one wild token cannot overflow the ratio (verl does the same).
-_LOG_RATIO_CLAMP = 20.0
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
@@ -17,6 +17,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mea
 
     token_mean: sum over all valid tokens / their count. seq_mean: each row's token mean, then the
     mean over rows that have at least one valid token (empty rows are skipped, not counted as 0).
+    verl's agg_loss (token-mean / seq-mean-token-mean); why token_mean: DAPO, https://arxiv.org/abs/2503.14476.
     """
     if mode == "token_mean":
         return masked_mean(loss_mat, mask)
@@ -46,11 +47,13 @@ def policy_loss(
     stats: clipfrac (share of valid tokens where the clipped term is the larger one, i.e. the
     gradient is cut), approx_kl (k3 estimator of KL(old || new): mean of (r - 1) - log r, always
     >= 0, as in CleanRL/SB3), ratio_mean (mean r over valid tokens).
+    Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher: Yu et al. 2025 (DAPO),
+    https://arxiv.org/abs/2503.14476; approx_kl as CleanRL's ppo.py (https://github.com/vwxyzjn/cleanrl).
     """
     hi = clip_ratio if clip_ratio_high is None else clip_ratio_high
     m = mask.to(torch.bool)
     log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
     # Zero padding advantages: a NaN there would otherwise turn into NaN gradients through where().
     advantages = torch.where(m, advantages, torch.zeros_like(advantages))
@@ -66,6 +69,33 @@ def policy_loss(
     return loss, stats
 
 
+def actor_loss(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    a: AlgorithmConfig,
+    kl_coef: float,
+) -> tuple[torch.Tensor, dict]:
+    """The actor's loss on one micro-batch: policy_loss (clip_ratio, clip_ratio_high) - entropy_coef * entropy
+    + kl_coef * KL(policy || reference) when ref_logprobs is given (the KL as a loss term, as GRPO does:
+    https://arxiv.org/abs/2402.03300), each aggregated by algorithm.loss_agg.
+    stats: policy_loss, entropy, kl_loss (with a reference), and policy_loss's."""
+    pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, a.clip_ratio, a.loss_agg, a.clip_ratio_high)
+    loss = pg
+    ent = aggregate(entropy, mask, a.loss_agg)
+    if a.entropy_coef:
+        loss = loss - a.entropy_coef * ent
+    if ref_logprobs is not None:
+        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, a.kl.estimator), mask, a.loss_agg)
+        loss = loss + kl_coef * kl_loss
+        stats["kl_loss"] = _float(kl_loss)
+    stats.update({"policy_loss": _float(pg), "entropy": _float(ent)})
+    return loss, stats
+
+
 def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
@@ -78,6 +108,8 @@ def value_loss(
 
     clip=None disables clipping. stats: vf_clipfrac (share of valid tokens where the clipped
     error is larger), value_mean (mean predicted value over valid tokens).
+    As verl's compute_value_loss (https://github.com/volcengine/verl/blob/main/verl/trainer/ppo/core_algos.py)
+    and OpenAI baselines' PPO2 (https://github.com/openai/baselines/blob/master/baselines/ppo2/model.py).
     """
     m = mask.to(torch.bool)
     # Padding targets may hold anything; zero them so no NaN/inf reaches the gradient.

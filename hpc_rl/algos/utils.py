@@ -5,6 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+# Log-ratios are clamped before exp() so one wild token cannot overflow a ratio or k3 (verl does the same).
+LOG_RATIO_CLAMP = 20.0
+
 
 def _weights(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Return (x with masked positions zeroed, mask as x's dtype).

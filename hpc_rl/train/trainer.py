@@ -6,21 +6,30 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..algos.advantages import broadcast_sequence_advantage, gae, grpo_advantages, reinforce_pp_advantages, rloo_advantages
+from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
-from ..algos.losses import aggregate, policy_loss, value_loss
-from ..algos.utils import masked_mean, masked_whiten
+from ..algos.losses import actor_loss, value_loss
+from ..algos.utils import masked_mean
 from ..config import JobConfig
+from ..data.datasets import PromptDataset
+from ..data.sampler import indices_for_step
 from ..errors import RolloutError, TrainingError
+from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
+from ..rewards.base import RewardShaper, compute_rewards, load_reward_fn
+from ..rollout.client import RolloutClient
+from ..rollout.engine import SamplingParams
 from ..rundir import RunDir, write_json_atomic
 from . import checkpoint
 from .distributed import DistInfo, all_reduce_scalar, broadcast_object, resolve_device_kind
+from .ds_config import batch_sizes
 from .engines import build_actor, build_critic, build_reference, gather_state_dict
 from .experience import Batch, batched_forward, pack, policy_forward, value_forward
 
@@ -39,6 +48,25 @@ def request_preemption(*_args) -> None:
 
 class _RolloutStop(Exception):
     """Raised on every rank at once when rank 0 could not get samples: checkpoint, then stop."""
+
+
+@dataclass
+class Shard:
+    """This rank's contiguous slice of the step's samples."""
+
+    batch: Batch  # token ids and masks, on this rank's device
+    rows: slice  # its rows among all the step's samples
+    all_scores: torch.Tensor  # [N] every sample's (shaped) score, on CPU
+    scores: torch.Tensor  # [B] this shard's scores, on this rank's device
+
+
+@dataclass
+class Forwards:
+    """No-grad forwards of the shard before the update."""
+
+    old_logprobs: torch.Tensor  # [B, T] the actor's, the PPO ratio's denominator
+    ref_logprobs: torch.Tensor | None  # [B, T] the frozen reference's (only when a KL term is used)
+    values: torch.Tensor | None  # [B, T] the critic's (only for algorithms with a critic)
 
 
 class Trainer:
@@ -66,6 +94,8 @@ class Trainer:
             log.debug("engines built in %.1fs: actor%s%s on %s x %d (%s)", time.time() - t0,
                       " + critic" if self.critic else "", " + reference" if self.ref else "", self.device_kind,
                       dist.world_size, dist.backend)
+        # Samples per no-grad forward and per backward (the DeepSpeed config's micro-batch).
+        self.micro = batch_sizes(cfg, dist.world_size)[1]
         self.step = 0
         self.preempted = False
         self.nonfinite_in_a_row = 0
@@ -74,9 +104,6 @@ class Trainer:
         self.client = None
         self.metrics = None
         if dist.is_main:
-            from ..data.datasets import PromptDataset
-            from ..rewards.base import RewardShaper, load_reward_fn
-
             self.dataset = PromptDataset(cfg.data, self.tokenizer, cfg.seed)
             self.reward_fn = load_reward_fn(cfg.reward.function)
             self.shaper = RewardShaper(cfg.reward)
@@ -89,8 +116,6 @@ class Trainer:
         path = broadcast_object(str(path) if path else None)
         if path is None:
             return
-        from pathlib import Path
-
         state = checkpoint.load(Path(path), self.engines)
         self.step = state["step"]
         self.policy_version = state["step"]
@@ -102,13 +127,8 @@ class Trainer:
     def connect_rollout(self) -> None:
         if not self.dist.is_main:
             return
-        from ..rollout.client import RolloutClient
-
         self.client = RolloutClient.from_run_dir(self.run, self.cfg)
-        from ..launch import rollout_server_count
-
-        expected = rollout_server_count(self.cfg)
-        self.client.wait_ready(expected, self.cfg.rollout.startup_timeout_s)
+        self.client.wait_ready(self.cfg.rollout_servers, self.cfg.rollout.startup_timeout_s)
         self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if self.cfg.logging.tensorboard else None,
                                      resume_step=self.step)
 
@@ -116,10 +136,6 @@ class Trainer:
 
     def _generate(self, step: int):
         """Rank 0: prompts for this step, their samples and rewards; returns the payload for all ranks."""
-        from ..data.sampler import indices_for_step
-        from ..rewards.base import compute_rewards
-        from ..rollout.engine import SamplingParams
-
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
         prompts = [self.dataset.token_ids[i] for i in idx]
@@ -161,14 +177,9 @@ class Trainer:
 
     def _server_log_tails(self, lines: int = 2) -> str:
         """' | rollout-K.log: last lines' for every server, on one line (the error stays one line)."""
-        from ..launch import rollout_server_count
-
         parts = []
-        for k in range(rollout_server_count(self.cfg)):
-            try:
-                tail = (self.run.logs / f"rollout-{k}.log").read_text(errors="replace").strip().splitlines()[-lines:]
-            except OSError:
-                tail = ["(no log)"]
+        for k in range(self.cfg.rollout_servers):
+            tail = tail_lines(self.run.logs / f"rollout-{k}.log", lines) or ["(no log)"]
             parts.append(f"logs/rollout-{k}.log: " + " / ".join(t.strip() for t in tail))
         return " | " + " | ".join(parts) if parts else ""
 
@@ -180,31 +191,33 @@ class Trainer:
                 ids.append(toks[0])
         return ids
 
-    def _advantages(self, batch: Batch, scores: torch.Tensor, old_lp, ref_lp, values, seq_adv):
-        """Per-token advantages and returns for this rank's shard (whitening uses global statistics)."""
-        a = self.cfg.algorithm
-        mask = batch.response_mask
-        kl_tok = kl_estimate(old_lp, ref_lp, a.kl.estimator) if ref_lp is not None else torch.zeros_like(old_lp)
-        coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
-        returns = None
-        if a.name == "ppo":
-            token_rewards = apply_kl_to_rewards(scores, kl_tok, mask, coef)
-            adv, returns = gae(token_rewards, values, mask, a.gamma, a.lam)
-            if a.whiten_advantages:
-                adv = masked_whiten(adv, mask, distributed=True)
-        elif a.name == "reinforce_pp":
-            token_rewards = apply_kl_to_rewards(scores, kl_tok, mask, coef)
-            adv = reinforce_pp_advantages(token_rewards, mask, a.gamma, distributed=True)
-        else:
-            adv = broadcast_sequence_advantage(seq_adv, mask)
-        return adv, returns, kl_tok
-
     def train_step(self, step: int) -> dict:
-        """One RL iteration; collective over all trainer ranks. Returns metrics on rank 0."""
-        cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
+        """One RL iteration, as DESIGN.md lists it; collective over all trainer ranks. Returns metrics on rank 0."""
         t_start = time.time()
+        payload = self._rollout_batch(step)  # generate + score (rank 0), then every rank has the batch
+        shard = self._shard(payload)
+        t0 = time.time()
+        fwd = self._forwards(shard)
+        t_fwd = time.time() - t0
+        adv, returns, kl_tok = self._advantages(shard, fwd)
+        if debug and self.dist.is_main:
+            log.debug("step %d shapes: %d samples, this rank's shard input_ids %s (prompt %d + response %d), "
+                      "micro-batch %d; no-grad forwards %.2fs", step + 1, len(payload["prompts"]),
+                      tuple(shard.batch.input_ids.shape), shard.batch.prompt_len, shard.batch.responses.shape[1],
+                      self.micro, t_fwd)
+        t0 = time.time()
+        stats = self._update(shard.batch, fwd, adv, returns)
+        t_update = time.time() - t0
+        t0 = time.time()
+        sync = self._sync_weights(step, payload)
+        t_sync = time.time() - t0
+        timings = {"forward_seconds": t_fwd, "update_seconds": t_update, "sync_seconds": t_sync}
+        return self._step_metrics(step, payload, shard, kl_tok, stats, sync, timings, t_start)
+
+    def _rollout_batch(self, step: int) -> dict:
+        """Rank 0 generates and scores this step's samples; every rank gets them (or all stop together)."""
         payload = None
-        if dist.is_main:
+        if self.dist.is_main:
             try:
                 payload = self._generate(step)
             except RolloutError as e:  # every server gone past the client's timeouts and retries
@@ -212,49 +225,50 @@ class Trainer:
         payload = broadcast_object(payload)
         if "rollout_error" in payload:
             raise _RolloutStop(payload["rollout_error"])
-        scores_all = torch.tensor(payload["scores"], dtype=torch.float32)
-        # Group advantages need whole groups: computed over the full batch before sharding.
-        seq_adv_all = None
-        if a.name == "grpo":
-            seq_adv_all = grpo_advantages(scores_all, a.group_size, a.norm_adv_by_std)
-        elif a.name == "rloo":
-            seq_adv_all = rloo_advantages(scores_all, a.group_size)
-        n = len(payload["prompts"])
-        per_rank = n // dist.world_size
-        mine = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-        batch = pack(payload["prompts"][mine], payload["responses"][mine], self.tokenizer.pad_token_id)
-        batch = batch.to(dist.device)
-        scores = scores_all[mine].to(dist.device)
-        seq_adv = seq_adv_all[mine].to(dist.device) if seq_adv_all is not None else None
-        micro = self.cfg.trainer.micro_batch_size or cfg.trainer.mini_batch_size // dist.world_size
-        temp = cfg.rollout.temperature
+        return payload
 
-        t0 = time.time()
+    def _shard(self, payload: dict) -> Shard:
+        """This rank's contiguous 1/world of the samples, packed on its device."""
+        dist = self.dist
+        per_rank = len(payload["prompts"]) // dist.world_size
+        rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
+        batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id)
+        all_scores = torch.tensor(payload["scores"], dtype=torch.float32)
+        return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device))
+
+    def _forwards(self, shard: Shard) -> Forwards:
+        """Old log-probs (actor), reference log-probs and values (critic) of the shard, without gradients."""
+        temp = self.cfg.rollout.temperature
         self.actor.eval()
-        old_lp = batched_forward(policy_forward, self.actor, batch, micro, temperature=temp)
-        ref_lp = batched_forward(policy_forward, self.ref, batch, micro, temperature=temp) if self.ref else None
+        old_lp = batched_forward(policy_forward, self.actor, shard.batch, self.micro, temperature=temp)
+        ref_lp = batched_forward(policy_forward, self.ref, shard.batch, self.micro, temperature=temp) if self.ref else None
         values = None
         if self.critic is not None:
             self.critic.eval()
-            values = batched_forward(value_forward, self.critic, batch, micro)
-        t_fwd = time.time() - t0
-        adv, returns, kl_tok = self._advantages(batch, scores, old_lp, ref_lp, values, seq_adv)
-        if debug and dist.is_main:
-            log.debug("step %d shapes: %d samples, this rank's shard input_ids %s (prompt %d + response %d), "
-                      "micro-batch %d; no-grad forwards %.2fs", step + 1, n, tuple(batch.input_ids.shape),
-                      batch.prompt_len, batch.responses.shape[1], micro, t_fwd)
-        mask = batch.response_mask
+            values = batched_forward(value_forward, self.critic, shard.batch, self.micro)
+        return Forwards(old_lp, ref_lp, values)
 
-        t0 = time.time()
-        stats = self._update(batch, old_lp, ref_lp, adv, returns, values)
-        t_update = time.time() - t0
+    def _advantages(self, shard: Shard, fwd: Forwards):
+        """Per-token advantages (and returns, for the critic) from the algorithm's registered estimator, and the
+        per-token KL to the reference (zero without one)."""
+        a = self.cfg.algorithm
+        mask = shard.batch.response_mask
+        if fwd.ref_logprobs is not None:
+            kl_tok = kl_estimate(fwd.old_logprobs, fwd.ref_logprobs, a.kl.estimator)
+        else:
+            kl_tok = torch.zeros_like(fwd.old_logprobs)
+        coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
+        token_rewards = apply_kl_to_rewards(shard.scores, kl_tok, mask, coef)
+        adv, returns = compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values,
+                                                          mask), a)
+        return adv, returns, kl_tok
 
-        # Weight sync: every rank joins the gather; rank 0 pushes to the rollout servers.
-        t0 = time.time()
+    def _sync_weights(self, step: int, payload: dict) -> dict:
+        """Every rank joins the gather of the updated actor; rank 0 pushes it to the rollout servers."""
         self.policy_version = step + 1
         sd = gather_state_dict(self.actor)
         sync = {}
-        if dist.is_main:
+        if self.dist.is_main:
             try:
                 sync = self.client.push_weights(list(sd.items()), version=self.policy_version)
             except RolloutError as e:
@@ -262,11 +276,16 @@ class Trainer:
                 # checkpoint) if no server is left, or names the version lag if one missed this push.
                 log.error("step %d: weight push failed: %s", step + 1, e)
         del sd
-        t_sync = time.time() - t0
-
-        if cfg.trainer.check_sync_every and (step + 1) % cfg.trainer.check_sync_every == 0:
+        every = self.cfg.trainer.check_sync_every
+        if every and (step + 1) % every == 0:
             sync["max_diff"] = self._check_sync(payload["prompts"][0], payload["responses"][0])
+        return sync
 
+    def _step_metrics(self, step: int, payload: dict, shard: Shard, kl_tok, stats: dict, sync: dict,
+                      timings: dict, t_start: float) -> dict:
+        """Average the ranks' statistics, update the KL controller; the step's metrics on rank 0."""
+        cfg, dist = self.cfg, self.dist
+        mask = shard.batch.response_mask
         kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.ref else 0.0) / dist.world_size
         self.kl_ctl.update(kl_mean, cfg.samples_per_step)
         metrics = {k: all_reduce_scalar(v) / dist.world_size for k, v in stats.items()}
@@ -274,14 +293,14 @@ class Trainer:
             return {}
         m = dict(payload["stats"])
         m.update(metrics)
-        m.update({"kl": kl_mean, "kl_coef": self.kl_ctl.value, "forward_seconds": t_fwd, "update_seconds": t_update,
-                  "sync_seconds": t_sync, "sync_bytes": sync.get("bytes", 0),
+        m.update({"kl": kl_mean, "kl_coef": self.kl_ctl.value, **timings, "sync_bytes": sync.get("bytes", 0),
                   "sync_max_diff": sync.get("max_diff"), "step_seconds": time.time() - t_start,
                   "policy_version": self.policy_version})
         if debug:
             log.debug("step %d timings: generate %.2fs, reward %.2fs, no-grad forwards %.2fs, update %.2fs, "
                       "weight sync %.2fs (%s, %d bytes), total %.2fs", step + 1, m["gen_seconds"], m["reward_seconds"],
-                      t_fwd, t_update, t_sync, sync.get("transport", "-"), sync.get("bytes", 0), m["step_seconds"])
+                      m["forward_seconds"], m["update_seconds"], m["sync_seconds"], sync.get("transport", "-"),
+                      sync.get("bytes", 0), m["step_seconds"])
         return m
 
     def _check_sync(self, prompt: list[int], response: list[int]) -> float | None:
@@ -303,11 +322,12 @@ class Trainer:
                                 "(see logs/rollout-*.log)")
         return diff
 
-    def _update(self, batch: Batch, old_lp, ref_lp, adv, returns, old_values) -> dict:
+    def _update(self, batch: Batch, fwd: Forwards, adv, returns) -> dict:
         """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped."""
         cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
+        old_lp, ref_lp, old_values = fwd.old_logprobs, fwd.ref_logprobs, fwd.values
         per_rank_mb = cfg.trainer.mini_batch_size // dist.world_size
-        micro = cfg.trainer.micro_batch_size or per_rank_mb
+        micro = self.micro
         n = batch.size
         rng = np.random.default_rng([cfg.seed, self.step, dist.rank])
         sums: dict[str, float] = {}
@@ -327,20 +347,12 @@ class Trainer:
                     mb = batch.slice(idx)
                     mask = mb.response_mask
                     logp, ent = policy_forward(self.actor, mb, cfg.rollout.temperature, with_entropy=True)
-                    pg, st = policy_loss(logp, old_lp[idx], adv[idx], mask, a.clip_ratio, a.loss_agg)
-                    loss = pg
-                    entropy = aggregate(ent, mask, a.loss_agg)
-                    if a.entropy_coef:
-                        loss = loss - a.entropy_coef * entropy
-                    if use_kl_loss:
-                        kl_loss = aggregate(kl_estimate(logp, ref_lp[idx], a.kl.estimator), mask, a.loss_agg)
-                        loss = loss + self.kl_ctl.value * kl_loss
-                        st["kl_loss"] = float(kl_loss.detach())
+                    loss, st = actor_loss(logp, ent, old_lp[idx], ref_lp[idx] if use_kl_loss else None, adv[idx],
+                                          mask, a, self.kl_ctl.value)
                     # A non-finite loss still goes through backward: its NaN gradient norm makes DeepSpeed
                     # discard the optimizer step on every rank alike (was_step_applied() is False).
                     self.actor.backward(loss)
                     self.actor.step()
-                    st.update({"policy_loss": float(pg.detach()), "entropy": float(entropy.detach())})
                     if self.critic is not None:
                         v = value_forward(self.critic, mb)
                         vl, vst = value_loss(v, old_values[idx], returns[idx], mask, a.value_clip, a.loss_agg)

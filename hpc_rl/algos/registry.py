@@ -1,0 +1,45 @@
+"""The algorithms hpc-rl trains with, and what each needs: one entry each, read by config validation and by
+the trainer. Adding an algorithm is one estimator function in estimators.py and one entry here.
+
+No torch here: the config (and so every CLI command) reads this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """What the trainer and the config need to know of one RL algorithm."""
+
+    name: str
+    # The function of hpc_rl.algos.estimators that turns rewards (and values) into per-token advantages.
+    estimator: str
+    # A critic (value model) is built and trained: its values feed the estimator.
+    needs_critic: bool = False
+    # Where the KL penalty goes by default: into the per-token rewards (True) or into the loss (False).
+    # algorithm.kl.in_reward overrides it where the estimator reads per-token rewards.
+    kl_in_reward: bool = False
+    # Advantages compare the samples of one prompt: group_size >= 2, computed over whole groups; the
+    # estimator reads sequence scores only, so the KL penalty can only be a loss term.
+    group_baseline: bool = False
+    # Paper / reference implementation of the estimator.
+    source: str = ""
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("ppo", "gae_advantages", needs_critic=True, kl_in_reward=True,
+              source="https://arxiv.org/abs/1506.02438 (GAE); https://arxiv.org/abs/1707.06347 (PPO)"),
+    Algorithm("grpo", "group_normalized_advantages", group_baseline=True,
+              source="https://arxiv.org/abs/2402.03300 (GRPO, DeepSeekMath); https://arxiv.org/abs/2503.20783 (Dr. GRPO)"),
+    Algorithm("rloo", "leave_one_out_advantages", group_baseline=True,
+              source="https://arxiv.org/abs/2402.14740 (RLOO, Ahmadian et al. 2024)"),
+    Algorithm("reinforce_pp", "reinforce_pp_token_advantages", kl_in_reward=True,
+              source="https://arxiv.org/abs/2501.03262 (REINFORCE++)"),
+)}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registry entry of `name` (config validation has already checked that it exists)."""
+    return ALGORITHMS[name]
