@@ -126,7 +126,8 @@ def bench_collective(eng, named) -> dict:
     """Collective sync through the real server routes (in this process) around the engine."""
     import threading
 
-    from hpc_rl.rollout.collective import CollectiveSender, register_server_routes
+    from hpc_rl.rollout.collective_sender import CollectiveSender
+    from hpc_rl.rollout.collective_server import register_server_routes
     from hpc_rl.rollout.server import RolloutService, make_http_server
     from hpc_rl.rundir import RunDir
 
@@ -152,18 +153,18 @@ def bench_collective(eng, named) -> dict:
 
 
 def _raw_recv(port: int, numel: int, dtype: str, reps: int) -> None:
-    from hpc_rl.rollout.collective import _bcast, join_group
+    from hpc_rl.rollout.collective_wire import broadcast_from_rank0, join_group
 
     pg = join_group("127.0.0.1", port, 2, 1, "gloo", 120)
     for _ in range(reps):
-        _bcast(pg, torch.empty(numel, dtype=getattr(torch, dtype))).wait()
+        broadcast_from_rank0(pg, torch.empty(numel, dtype=getattr(torch, dtype))).wait()
 
 
 def raw_gloo_seconds(numel: int, nbytes: int, reps: int = 4) -> float:
     """The collective transport alone: a gloo broadcast of the same bytes to another process (best of reps-1)."""
     import torch.multiprocessing as mp
 
-    from hpc_rl.rollout.collective import _bcast, join_group
+    from hpc_rl.rollout.collective_wire import broadcast_from_rank0, join_group
 
     dtype = "bfloat16" if nbytes == 2 * numel else "float32"
     with socket.socket() as s:
@@ -173,11 +174,11 @@ def raw_gloo_seconds(numel: int, nbytes: int, reps: int = 4) -> float:
     p.start()
     pg = join_group("127.0.0.1", port, 2, 0, "gloo", 120)
     buf = torch.zeros(numel, dtype=getattr(torch, dtype))
-    _bcast(pg, buf).wait()  # warm
+    broadcast_from_rank0(pg, buf).wait()  # warm
     best = 1e9
     for _ in range(reps - 1):
         t0 = time.perf_counter()
-        _bcast(pg, buf).wait()
+        broadcast_from_rank0(pg, buf).wait()
         best = min(best, time.perf_counter() - t0)
     p.join(timeout=60)
     return best

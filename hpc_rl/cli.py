@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--sweeps-dir", default="runs/sweeps")
 
+    p = sub.add_parser("config", help="every job-spec key with its type, default (or the job's value) and doc")
+    p.add_argument("action", choices=["show"])
+    p.add_argument("job", nargs="?", help="a job spec: show its resolved values instead of the defaults")
+    p.add_argument("overrides", nargs="*", help="dotted overrides applied to the job")
+
     p = sub.add_parser("doctor", help="check this environment for known pitfalls, with fixes")
     p.add_argument("--job", help="also check this job spec")
     p.add_argument("--json", action="store_true")
@@ -100,6 +105,9 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from .plots import plot_target
         return plot_target(args.target, out=args.out, runs_dir=args.runs_dir, sweeps_dir=args.sweeps_dir)
+    if args.command == "config":
+        from .config_show import show_config
+        return show_config(args.job, args.overrides)
     if args.command == "doctor":
         from .doctor import run_doctor
         return run_doctor(job=args.job, as_json=args.json)

@@ -16,9 +16,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import config, rundir
+from .cluster.nccl import nccl_env
 from .config import JobConfig
+from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .errors import HpcRlError
+from .logs import last_error_line, setup_logging, tail_lines
+from .models.loading import load_tokenizer
+from .models.tiny import build_tiny_model
 from .netutil import advertise_host, free_port
+from .rewards.base import load_reward_fn
 from .rundir import RunDir, read_json, write_json_atomic
 
 log = logging.getLogger("hpc_rl")
@@ -33,18 +39,12 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     Everything a user can get wrong is checked before the run dir exists or, failing after, the dir
     is removed again: a run that never started leaves nothing behind.
     """
-    from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
-    from .models.loading import load_tokenizer
-    from .rewards.base import load_reward_fn
-
     cfg = config.load(job_path, overrides)
     load_reward_fn(cfg.reward.function)
     load_rows(cfg.data, cfg.seed)
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if cfg.model.tiny is not None:
-            from .models.tiny import build_tiny_model
-
             build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init)
             cfg.model.path = str(run.model_init)
             cfg.model.tiny = None
@@ -58,11 +58,6 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         shutil.rmtree(run.root, ignore_errors=True)
         raise
     return run, cfg
-
-
-def rollout_server_count(cfg: JobConfig) -> int:
-    """How many rollout servers a job runs (a local run runs at least one node's worth)."""
-    return max(1, cfg.rollout.nodes) * cfg.rollout.servers_per_node
 
 
 def clear_rendezvous(run: RunDir) -> None:
@@ -108,11 +103,7 @@ def _base_env(cfg: JobConfig) -> dict:
     env.update({k: str(v) for k, v in cfg.env.vars.items()})
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from .cluster.nccl import nccl_env  # set by the Slurm layer; safe defaults for shared clusters
-        env.update(nccl_env(cfg))
-    except ImportError:
-        pass
+    env.update(nccl_env(cfg))  # safe NCCL defaults for shared clusters, the same as in Slurm jobs
     return env
 
 
@@ -129,19 +120,6 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
 
 
 MAX_SERVER_RESTARTS = 3
-
-
-def last_error_line(path: Path) -> str:
-    """The last line of a log that reports an error (`error: ...`, `ValueError: ...`), else its last line."""
-    try:
-        lines = [ln.strip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return f"{path.name} is missing"
-    for ln in reversed(lines):
-        low = ln.lower()
-        if ("error" in low or "exception" in low or "killed" in low) and not low.startswith("traceback"):
-            return ln[:300]
-    return lines[-1][:300] if lines else f"{path.name} is empty"
 
 
 @dataclass
@@ -207,7 +185,7 @@ class ServerKeeper:
             self.restarts[k] += 1
             log.warning("rollout server %d exited with code %s on %s; restarting it (%d/%d). Last lines of "
                         "logs/rollout-%d.log:\n%s", k, code, node, self.restarts[k],
-                        MAX_SERVER_RESTARTS, k, _tail(self.run.logs / f"rollout-{k}.log", 5))
+                        MAX_SERVER_RESTARTS, k, "\n".join(tail_lines(self.run.logs / f"rollout-{k}.log", 5)))
             self.run.rollout_file(k).unlink(missing_ok=True)  # the old address is gone; the new one is published
             self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k))
         return None
@@ -293,14 +271,6 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None
             p.wait()
 
 
-def _tail(path: Path, n: int = 15) -> str:
-    try:
-        lines = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return "\n".join(lines[-n:])
-
-
 def _drain(trainers: list[subprocess.Popen]) -> None:
     """Let the tee threads copy the ranks' last lines (rank 0's error line is what the user sees)."""
     for p in trainers:
@@ -338,7 +308,7 @@ def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[s
                 if code < 0:
                     how = f"was killed by {signal.Signals(-code).name if -code in signal.valid_signals() else -code}"
                 log.error("trainer rank %d %s on %s; stopping the job. Last lines of logs/trainer-%d.log:\n%s",
-                          rank, how, os.uname().nodename, rank, _tail(run.logs / f"trainer-{rank}.log"))
+                          rank, how, os.uname().nodename, rank, "\n".join(tail_lines(run.logs / f"trainer-{rank}.log", 15)))
             stop_processes([q for q in trainers if q is not p] + others)
             return code if code > 0 else 1
         if all(c == 0 for c in codes):
@@ -352,7 +322,7 @@ def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[s
 def run_local(run: RunDir, cfg: JobConfig) -> int:
     """The whole job on this machine: rollout server(s), then the trainer ranks; waits for the end."""
     clear_rendezvous(run)
-    n_servers = rollout_server_count(cfg)
+    n_servers = cfg.rollout_servers
     servers: list[subprocess.Popen] = []
     trainers: list[subprocess.Popen] = []
     try:
@@ -381,8 +351,6 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
 
 def run_local_job(job_path: str, overrides: list[str], resume: str | None = None) -> int:
     """`hpc-rl run JOB.yaml [overrides] [--resume RUN_DIR]`."""
-    from .logs import setup_logging
-
     setup_logging(0)
     if resume:
         run = rundir.find(resume)

@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 
 def setup_logging(rank: int = 0, stream=None) -> logging.Logger:
@@ -27,3 +28,24 @@ def setup_logging(rank: int = 0, stream=None) -> logging.Logger:
     for name in ("DeepSpeed", "deepspeed", "transformers", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.DEBUG if debug else logging.WARNING)
     return log
+
+
+def tail_lines(path: Path, n: int) -> list[str]:
+    """The last `n` non-empty lines of a log file (right-stripped); [] when it is missing."""
+    try:
+        lines = [ln.rstrip() for ln in Path(path).read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def last_error_line(path: Path) -> str:
+    """The last line of a log that reports an error (`error: ...`, `ValueError: ...`), else its last line."""
+    lines = tail_lines(path, 10**9)
+    if not Path(path).exists():
+        return f"{Path(path).name} is missing"
+    for ln in reversed(lines):
+        low = ln.lower()
+        if ("error" in low or "exception" in low or "killed" in low) and not low.startswith("traceback"):
+            return ln.strip()[:300]
+    return lines[-1].strip()[:300] if lines else f"{Path(path).name} is empty"

@@ -1,5 +1,6 @@
-"""This node's address and free ports: the one place every process (launcher, trainer master, rollout server,
-weight-sync group) asks "which address do the other nodes reach me by?"."""
+"""Networking shared by every process: this node's address (launcher, trainer master, rollout server and
+weight-sync group all ask here "which address do the other nodes reach me by?"), free ports, and the
+authenticated HTTP session the trainer's clients talk to rollout servers with."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import ipaddress
 import os
 import socket
 import struct
+
+import requests
 
 # Set by a user to force the advertised address (e.g. a node's InfiniBand IP name).
 ADVERTISE_ENV = "HPC_RL_ADVERTISE_HOST"
@@ -78,3 +81,20 @@ def advertise_host(bind_host: str = "0.0.0.0") -> str:
     if bind_host not in ("0.0.0.0", "::", ""):
         return bind_host
     return os.environ.get(NODE_ADDR_ENV) or node_address()[0]
+
+
+def auth_session(token: str) -> requests.Session:
+    """A session that sends the run's token on every request and never goes through a user's HTTP proxy
+    (rollout servers are cluster-internal; $http_proxy would route them through a login node)."""
+    s = requests.Session()
+    s.headers["Authorization"] = f"Bearer {token}"
+    s.trust_env = False
+    return s
+
+
+def error_of(resp: requests.Response) -> str:
+    """A rollout server's one-line reason for a non-200 answer: its JSON "error", else the body, else the code."""
+    try:
+        return str(resp.json().get("error", resp.text[:200]))
+    except (ValueError, AttributeError):
+        return resp.text[:200].strip() or f"HTTP {resp.status_code}"

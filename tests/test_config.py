@@ -125,3 +125,25 @@ def test_a_key_with_a_line_break_gives_a_one_line_error():
         assert len(msg.splitlines()) == 1 and "unknown key" in msg, repr(msg)
     with pytest.raises(ConfigError, match=r"trainer\.a\\nb: unknown key"):
         config.load_dict({"trainer": {"a\nb": 1}})
+
+
+def test_config_show_documents_every_key(capsys):
+    """`hpc-rl config show`: every key of the job spec with its type, default and a one-line doc."""
+    from hpc_rl import cli
+    from hpc_rl.config_show import rows
+
+    table = rows()
+    undocumented = [key for key, _, _, doc in table if not doc]
+    assert not undocumented, f"config keys without a doc comment in config.py: {undocumented}"
+    keys = {key for key, *_ in table}
+    assert {"trainer.lr", "rollout.kv_cache_bytes", "algorithm.clip_ratio_high", "model.tiny.head_dim",
+            "env.nccl.timeout_s", "slurm.requeue_on_failure"} <= keys
+    assert len(keys) == len(table) > 100
+    assert cli.main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer.lr" in out and "1e-05" in out and "Actor learning rate" in out and "[a number]" in out
+    job = Path(__file__).resolve().parents[1] / "jobs" / "toy-ppo-cpu.yaml"
+    assert cli.main(["config", "show", str(job), "trainer.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert any(ln.split()[:2] == ["trainer.lr", "0.5"] for ln in out.splitlines())
+    assert any(ln.split()[:2] == ["algorithm.name", "ppo"] for ln in out.splitlines())

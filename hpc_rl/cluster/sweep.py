@@ -279,7 +279,7 @@ def submit_points(root: Path, state: dict, indices: list[int]) -> str:
 
     points = [state["points"][i] for i in indices]
     runs = [RunDir(Path(p["run_dir"])) for p in points]
-    cfgs = [config.from_resolved(r.job_yaml) for r in runs]
+    cfgs = [config.load(r.job_yaml) for r in runs]
     slot = len(state.get("submissions", [])) + 1
     slot_dir = root / ARRAYS_DIR / str(slot)
     slot_dir.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..logs import tail_lines
 from ..metrics import read_metrics
 from ..rundir import RunDir
 from . import slurmq
@@ -22,14 +23,6 @@ UNKNOWN_POLLS = 5
 _ENDED = slurmq.TERMINAL | {"STOPPED", "UNKNOWN"}
 
 
-def _tail_lines(path: Path, n: int) -> list[str]:
-    try:
-        lines = [ln.rstrip() for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
-    except OSError:
-        return []
-    return lines[-n:]
-
-
 def log_tail(run: RunDir, n: int = LOG_TAIL_LINES) -> list[str]:
     """The last lines of the trainer's log and of the newest Slurm task log ("file: line")."""
     out = []
@@ -38,7 +31,7 @@ def log_tail(run: RunDir, n: int = LOG_TAIL_LINES) -> list[str]:
     newest = max(slurm_logs, key=lambda p: p.stat().st_mtime, default=None)
     for p in (trainer, newest):
         if p is not None:
-            out += [f"{p.name}: {line}" for line in _tail_lines(p, n)]
+            out += [f"{p.name}: {line}" for line in tail_lines(p, n)]
     return out
 
 

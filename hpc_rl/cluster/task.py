@@ -10,36 +10,38 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
+import submitit
+
+from .. import config
 from ..errors import ClusterError
+from ..launch import preempt_trainers, run_local, run_node
+from ..logs import setup_logging
 from ..rundir import RunDir
+from .env import prepare_node_env
+from .layout import role_of
+from .render import checkpoint_wait_s
 
 log = logging.getLogger("hpc_rl")
 
 
 def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     """Prepare this node's environment and run its role; returns launch.run_node's exit code."""
-    from .. import config
-    from ..logs import setup_logging
-    from .env import prepare_node_env
-    from .layout import role_of
 
     setup_logging(rank=0)
     run = RunDir(Path(run_dir))
-    cfg = config.from_resolved(run.job_yaml)
+    cfg = config.load(run.job_yaml)
     prepare_node_env(cfg)
     log.info("node %d/%d on %s (%s): %s", node_index, num_nodes, socket.gethostname(),
              os.environ.get("HPC_RL_NODE_ADDR"), role_of(cfg, node_index))
     if cfg.rollout.nodes == 0 and num_nodes == 1:
         # rollout.nodes=0: the rollout server(s) share the trainer's node, exactly as in `hpc-rl run`.
-        from ..launch import run_local
-
         return int(run_local(run, cfg) or 0)
-    from ..launch import run_node
-
     return int(run_node(run, node_index, num_nodes) or 0)
 
 
@@ -48,12 +50,9 @@ def requeue_after_failure(run_dir: Path, rc: int) -> bool:
 
     Exit code 2 (a user error: bad data, a failing reward) is never retried: it would fail again.
     """
-    import subprocess
-
-    from .. import config
 
     run = RunDir(run_dir)
-    allowed = config.from_resolved(run.job_yaml).slurm.requeue_on_failure
+    allowed = config.load(run.job_yaml).slurm.requeue_on_failure
     done = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     array_job, array_task = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     job = f"{array_job}_{array_task}" if array_job and array_task else os.environ.get("SLURM_JOB_ID")
@@ -78,8 +77,6 @@ class NodeTask:
         self.run_dir = str(run_dir)
 
     def __call__(self) -> int:
-        import submitit
-
         env = submitit.JobEnvironment()
         rc = run_this_node(self.run_dir, env.node, env.num_nodes)
         # Any node may ask: the first to see the crash requeues the whole job (later asks are refused).
@@ -95,12 +92,6 @@ class NodeTask:
     def checkpoint(self, *args, **kwargs):
         """Preemption or time limit: the trainer ranks checkpoint at the next step boundary and exit, then
         submitit requeues the same task; the run resumes from that checkpoint."""
-        import submitit
-
-        from .. import config
-        from ..launch import preempt_trainers
-        from .render import checkpoint_wait_s
-
         preempt_trainers(checkpoint_wait_s(config.load(RunDir(Path(self.run_dir)).job_yaml)))
         return submitit.helpers.DelayedSubmission(NodeTask(self.run_dir))
 
@@ -123,11 +114,6 @@ def main(argv: list[str] | None = None) -> int:
 def _checkpoint_on_usr_signals(run_dir: Path) -> None:
     """The hetjob script passes the preemption warning (USR2) on to the trainer component: this node's
     trainer ranks then checkpoint and exit (NodeTask.checkpoint does the same under submitit)."""
-    import signal
-
-    from .. import config
-    from ..launch import preempt_trainers
-    from .render import checkpoint_wait_s
 
     wait_s = checkpoint_wait_s(config.load(RunDir(run_dir).job_yaml))
 

@@ -8,11 +8,12 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import requests
 
 from ..errors import RolloutError
+from ..logs import tail_lines
+from ..netutil import auth_session, error_of
 from ..rundir import RunDir, read_json
 from . import protocol
 from .engine import SampleOut, SamplingParams
@@ -59,21 +60,6 @@ def split_contiguous(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
     return out
 
 
-def _log_tail(path: Path, lines: int = 5) -> str:
-    try:
-        text = path.read_text(errors="replace").strip().splitlines()
-    except OSError:
-        return ""
-    return " | ".join(text[-lines:])
-
-
-def _err_of(resp: requests.Response) -> str:
-    try:
-        return str(resp.json().get("error", resp.text[:200]))
-    except ValueError:
-        return resp.text[:200].strip() or f"HTTP {resp.status_code}"
-
-
 class _HTTPFailure(Exception):
     """A request that may succeed elsewhere (connection error, timeout, 5xx)."""
 
@@ -116,10 +102,7 @@ class RolloutClient:
     # ------------------------------------------------------------------ discovery
 
     def _session(self) -> requests.Session:
-        s = requests.Session()
-        s.headers["Authorization"] = f"Bearer {self.token}"
-        s.trust_env = False  # never route cluster-internal traffic through a user's HTTP proxy
-        return s
+        return auth_session(self.token)
 
     def refresh(self) -> None:
         """(Re)read RUN/rendezvous/rollout-K.json; a server that restarted on a new port gets a new entry."""
@@ -144,7 +127,7 @@ class RolloutClient:
             srv.last_error = f"{type(e).__name__}: {str(e)[:160]}"
             return None
         if r.status_code != 200:
-            srv.last_error = f"HTTP {r.status_code}: {_err_of(r)}"
+            srv.last_error = f"HTTP {r.status_code}: {error_of(r)}"
             return None
         return r.json()
 
@@ -180,7 +163,7 @@ class RolloutClient:
             srv = self.servers.get(idx)
             where = (f"at {srv.url} not healthy ({srv.last_error})" if srv
                      else f"wrote no {self.run.rollout_file(idx).name}")
-            tail = _log_tail(self.run.logs / f"rollout-{idx}.log")
+            tail = " | ".join(tail_lines(self.run.logs / f"rollout-{idx}.log", 5))
             missing.append(f"server {idx} ({self._node_of(idx, srv)}) {where}" + (f"; log tail: {tail}" if tail else ""))
         raise RolloutError(f"rollout servers not ready after {timeout_s:.0f}s: {'; '.join(missing)}. Usual causes: "
                            "the server crashed (see RUN/logs/rollout-K.log), it is bound to 127.0.0.1 "
@@ -242,9 +225,9 @@ class RolloutClient:
         except requests.RequestException as e:
             raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
         if r.status_code >= 500:
-            raise _HTTPFailure(f"HTTP {r.status_code}: {_err_of(r)}")
+            raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
         if r.status_code != 200:
-            raise RolloutError(f"rollout server {srv.url} rejected {path} (HTTP {r.status_code}): {_err_of(r)}")
+            raise RolloutError(f"rollout server {srv.url} rejected {path} (HTTP {r.status_code}): {error_of(r)}")
         return r.json()
 
     def _run_chunks(self, path: str, bodies: list[dict], what: str) -> list[dict]:
@@ -395,7 +378,7 @@ class RolloutClient:
         return "http"
 
     def _push_collective(self, named: list, version: int, servers: list[Server]) -> int:
-        from .collective import CollectiveSender
+        from .collective_sender import CollectiveSender
 
         urls = [s.url for s in servers]
         if self._sender is not None and self._sender.servers != urls:
@@ -462,10 +445,10 @@ class RolloutClient:
                 except requests.RequestException as e:
                     raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
                 if r.status_code >= 500:
-                    raise _HTTPFailure(f"HTTP {r.status_code}: {_err_of(r)}")
+                    raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
                 if r.status_code != 200:
                     raise RolloutError(f"push_weights v{version}: {srv.url} rejected bucket {i} "
-                                       f"(HTTP {r.status_code}): {_err_of(r)}")
+                                       f"(HTTP {r.status_code}): {error_of(r)}")
 
             self._post_all(servers, send)
             cur, i = nxt, i + 1
@@ -490,10 +473,4 @@ class RolloutClient:
             s.session.close()
 
 
-def expected_servers(cfg) -> int:
-    """How many rollout servers a job starts: rollout.nodes x rollout.servers_per_node (at least one)."""
-    return max(1, cfg.rollout.nodes * cfg.rollout.servers_per_node)
-
-
-__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous",
-           "expected_servers"]
+__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous"]

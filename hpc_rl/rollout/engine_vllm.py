@@ -6,7 +6,7 @@ offline LLM is not thread-safe and batches one call at a time). Its event loop r
 thread; the synchronous Engine methods submit coroutines to it.
 
 Weights reach vLLM's worker process (not this one) as a safetensors file in /dev/shm whose path goes
-through `collective_rpc`, or over the collective group (collective.py); `HpcRlWorkerExtension` loads them
+through `collective_rpc`, or over the collective group (collective_wire.py); `HpcRlWorkerExtension` loads them
 with vLLM's layerwise reload, which also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
 a spawned server process (vLLM spawns its engine core). CPU threads: vLLM binds its worker to the cores
 of VLLM_CPU_OMP_THREADS_BIND (default "auto": all cores of a NUMA node but one reserved); set it (e.g.
@@ -261,7 +261,7 @@ class VLLMEngine(Engine):
     def reset_cache(self) -> None:
         self._run(self._llm.reset_prefix_cache())
 
-    # ------------------------------------------------------------------ collective (see collective.py)
+    # ------------------------------------------------------------------ collective (see collective_server.py)
     def collective_workers(self) -> int:
         return self.tensor_parallel
 

@@ -32,6 +32,7 @@ from ..errors import HpcRlError, first_line
 from ..netutil import advertise_host
 from ..rundir import RunDir, read_json, write_json_atomic
 from . import protocol
+from .collective_server import register_server_routes
 from .engine import Engine, make_engine
 from .protocol import BadRequest
 from .weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
@@ -379,18 +380,6 @@ def _model_vocab(path: str) -> int | None:
 # --------------------------------------------------------------------------- main
 
 
-def _register_plugins(service: RolloutService) -> None:
-    """Let the collective weight-sync module add its endpoints (`register_server_routes(service)`), if it has one."""
-    try:
-        from . import collective
-    except Exception as e:  # a broken optional module must not take the server down
-        log.warning("collective weight sync unavailable: %s", first_line(e))
-        return
-    fn = getattr(collective, "register_server_routes", None)
-    if callable(fn):
-        fn(service)
-
-
 def _setup_logging() -> None:
     level = logging.DEBUG if os.environ.get("HPC_RL_DEBUG") == "1" else logging.INFO
     logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
@@ -410,7 +399,7 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
     engine = make_engine(cfg, device)
     service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
                              _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
-    _register_plugins(service)
+    register_server_routes(service)  # /collective/*: the weight-sync group's server side
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]
     if cfg.rollout.host.startswith("127.") or cfg.rollout.host in ("localhost", "::1"):

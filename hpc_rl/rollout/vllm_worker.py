@@ -38,7 +38,7 @@ class HpcRlWorkerExtension:
     def hpc_collective_join(self, master_addr: str, master_port: int, world_size: int, base_rank: int,
                             backend: str, timeout_s: float) -> int:
         """Join the trainer's weight-sync group as rank base_rank + this worker's TP rank; returns that rank."""
-        from .collective import join_group
+        from .collective_wire import join_group
 
         rank = base_rank + int(self.rank)
         device = "cpu" if backend == "gloo" else f"cuda:{self.device.index or 0}"
@@ -53,7 +53,7 @@ class HpcRlWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from .collective import receive_buckets
+        from .collective_wire import receive_buckets
 
         pg = getattr(self, "_hpc_pg", None)
         if pg is None:
