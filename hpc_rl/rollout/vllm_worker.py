@@ -70,10 +70,7 @@ class HpcRlWorkerExtension:
 
     def hpc_collective_close(self) -> None:
         """Leave the weight-sync group."""
-        pg = getattr(self, "_hpc_pg", None)
+        from .collective_wire import leave_group
+
+        leave_group(getattr(self, "_hpc_pg", None))
         self._hpc_pg = None
-        if pg is not None:
-            try:
-                pg.shutdown()
-            except Exception:  # a peer that already left makes shutdown raise; the group is gone either way
-                pass
