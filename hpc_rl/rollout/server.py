@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import itertools
 import json
 import logging
 import os
@@ -138,7 +139,7 @@ class RolloutService:
                      "finish_reason": s.finish_reason, "logprobs": None}
                 if want_lp:
                     pieces = [tok.decode([t]) for t in s.token_ids]
-                    offsets = [sum(len(x) for x in pieces[:i]) for i in range(len(pieces))]
+                    offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=0)) if pieces else []
                     c["logprobs"] = {"tokens": pieces, "token_logprobs": s.logprobs, "top_logprobs": None,
                                      "text_offset": offsets}
                 choices.append(c)
