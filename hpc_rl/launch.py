@@ -135,8 +135,12 @@ class ServerFailure:
     def line(self) -> str:
         how = (f"was killed by {signal.Signals(-self.code).name}" if self.code is not None and self.code < 0
                and -self.code in signal.valid_signals() else f"exited with code {self.code}")
-        when = (f"after it served (out of its {MAX_SERVER_RESTARTS} restarts)" if self.served
-                else "before it served (a startup failure is not retried)")
+        if not self.served:
+            when = "before it served (a startup failure is not retried)"
+        elif self.code == 2:
+            when = "with a user error (not retried)"
+        else:
+            when = f"after it served, out of its {MAX_SERVER_RESTARTS} restarts"
         return (f"rollout server {self.index} on node {self.node} {how} {when}: {self.error} "
                 f"(full log: logs/rollout-{self.index}.log)")
 

@@ -213,3 +213,35 @@ def test_rollout_server_killed_during_startup_is_not_retried(tmp_path):
                      r"is not retried\)", out), out[-3000:]
     assert "restarting it" not in out
     assert _no_processes_left(tmp_path)
+
+
+def test_rollout_server_that_keeps_crashing_after_serving_ends_the_run_after_its_restarts(tmp_path):
+    """A server that served and then dies is restarted (3 times); when its restarts are used up the run ends at
+    once with one line, instead of waiting for rollout.startup_timeout_s."""
+    from hpc_rl.launch import MAX_SERVER_RESTARTS
+    from hpc_rl.rundir import read_json
+
+    # Two servers: the other one keeps the run going while server 0 crashes.
+    proc, log = _start(tmp_path, "trainer.steps=400", "rollout.servers_per_node=2", "rollout.startup_timeout_s=900")
+    _wait_text(proc, log, r"step 1/400 ")
+    run = _run_dir(tmp_path)
+    killed: set[int] = set()
+    for _ in range(MAX_SERVER_RESTARTS + 1):
+        deadline = time.time() + 300
+        while True:  # the (re)started server serves again: it published its address with a new pid
+            info = read_json(run / "rendezvous" / "rollout-0.json") or {}
+            if info.get("pid") and info["pid"] not in killed:
+                break
+            assert time.time() < deadline and proc.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        killed.add(info["pid"])
+        os.kill(info["pid"], signal.SIGKILL)
+    t0 = time.time()
+    rc = proc.wait(timeout=120)
+    out = log.read_text(errors="replace")
+    assert rc == 1, out[-3000:]
+    assert time.time() - t0 < 60
+    assert out.count("restarting it") == MAX_SERVER_RESTARTS, out[-4000:]
+    assert re.search(r"rollout server 0 on node \S+ was killed by SIGKILL after it served, out of its 3 restarts", out), \
+        out[-3000:]
+    assert _no_processes_left(tmp_path)

@@ -8,6 +8,7 @@ into a test module: `from cluster.helpers import slurm_cluster  # noqa: F401`.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import shutil
@@ -23,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 UP, DOWN = HERE / "up.sh", HERE / "down.sh"
 NODE_ADDRS = {"n1": "10.77.0.11", "n2": "10.77.0.12", "n3": "10.77.0.13"}
+LOCK = "/tmp/hpc-rl-slurm.lock"
+LOCK_WAIT_S = 1800
 
 
 @dataclass
@@ -52,6 +55,19 @@ def slurm_cluster():
     reason = unavailable()
     if reason:
         pytest.skip(f"the local Slurm cluster cannot start: {reason}")
+    # The cluster's namespaces, addresses and /etc/hosts names are machine-wide: a second test session would
+    # tear down the first one's cluster mid-test. One session at a time holds this lock (released at exit).
+    lock = open(LOCK, "w")  # held for the whole session
+    deadline = time.time() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.time() > deadline:
+                pytest.fail(f"another test session has held the local Slurm cluster ({LOCK}) for {LOCK_WAIT_S}s; "
+                            "let it finish (two sessions cannot share the cluster)")
+            time.sleep(5)
     state = Path(os.environ.get("HPC_RL_SLURM_STATE", "/tmp/hpc-rl-slurm"))
     env = {**os.environ, "HPC_RL_SLURM_STATE": str(state)}
     atexit.register(_down, env)  # an interrupted session still removes namespaces and /etc/hosts lines
@@ -69,6 +85,7 @@ def slurm_cluster():
         else:
             os.environ["SLURM_CONF"] = old
         _down(env)
+        lock.close()
 
 
 def hpc_rl(*args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
