@@ -3,16 +3,13 @@
 Serves one engine over HTTP (API in protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
 and exits on SIGTERM/SIGINT or when RUN/rendezvous/done.json appears.
 
-stdlib `ThreadingHTTPServer` rather than FastAPI/uvicorn: the token and the Content-Length limit are
-checked from the headers before a single body byte is read (401/413 with no work done), a weight
-bucket is read straight into one bytes object, each request has its own thread (so /health answers
-while a generate holds the engine lock), and startup costs no extra imports.
+The HTTP side (FastAPI + uvicorn, token and size checks before the body is read) is app.py; this module
+holds the service behind it (engine, policy version, staged weight buckets, counters) and the entry point.
 """
 
 from __future__ import annotations
 
 import argparse
-import hmac
 import itertools
 import json
 import logging
@@ -24,15 +21,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
 
-from ..errors import HpcRlError, first_line
+from ..errors import HpcRlError
 from ..netutil import advertise_host
 from ..rundir import RunDir, read_json, write_json_atomic
 from . import protocol
+from .app import HttpServer, bind, make_app
 from .collective_server import register_server_routes
 from .engine import Engine, make_engine
 from .protocol import BadRequest
@@ -205,168 +201,16 @@ class RolloutService:
 # --------------------------------------------------------------------------- HTTP
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # keep-alive for the client's Session
-    server_version = "hpc-rl-rollout"
-    service: RolloutService
-    token: str
-
-    def log_message(self, fmt, *args):  # access log only with HPC_RL_DEBUG
-        log.debug("http %s: " + fmt, self.client_address[0], *args)
-
-    def _send(self, code: int, obj: dict, close: bool = False) -> None:
-        data = json.dumps(obj).encode()
-        self.send_response(code)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        if close:
-            # The request body was not read; the connection cannot carry another request.
-            self.send_header("Connection", "close")
-            self.close_connection = True
-        self.end_headers()
-        self.wfile.write(data)
-
-    def _authorized(self) -> bool:
-        got = self.headers.get("Authorization", "")
-        want = "Bearer " + self.token
-        return hmac.compare_digest(got.encode(), want.encode())
-
-    def _read_body(self, limit: int) -> bytes | None:
-        """The body, or None after answering 411/413 (nothing read)."""
-        if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            self._send(411, {"error": "Content-Length: chunked bodies are not accepted; send Content-Length"},
-                       close=True)
-            return None
-        try:
-            n = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            self._send(400, {"error": "Content-Length: not an integer"}, close=True)
-            return None
-        if n > limit:
-            self._send(413, {"error": f"body: {n} bytes exceed the limit of {limit} bytes for {self.path}"},
-                       close=True)
-            return None
-        data = self.rfile.read(n) if n > 0 else b""
-        self._body_read = True
-        return data
-
-    def _unread_body(self) -> bool:
-        """True when a body is still on the wire: answering must then close the connection."""
-        return not self._body_read and self.headers.get("Content-Length", "0") not in ("", "0")
-
-    def _json_body(self, empty_ok: bool = False):
-        raw = self._read_body(protocol.MAX_JSON_BYTES)
-        if raw is None:
-            return None, False
-        if empty_ok and not raw:
-            return None, True
-        try:
-            return json.loads(raw), True
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise BadRequest(f"body: not valid JSON ({first_line(e)})") from None
-
-    def _handle(self, method: str) -> None:
-        svc = self.service
-        svc.count("requests")
-        self._body_read = False
-        if not self._authorized():
-            self._send(401, {"error": "Authorization: missing or wrong bearer token; send the run's token "
-                                      "(RUN/token) as 'Authorization: Bearer <token>'"}, close=True)
-            return
-        url = urlsplit(self.path)
-        route = (method, url.path.rstrip("/") or "/")
-        try:
-            if route == ("GET", "/health"):
-                self._send(200, svc.health())
-            elif route == ("GET", "/version"):
-                self._send(200, {"policy_version": svc.policy_version})
-            elif route == ("GET", "/metrics"):
-                self._send(200, svc.metrics())
-            elif route == ("POST", "/generate"):
-                body, ok = self._json_body()
-                if ok:
-                    self._send(200, svc.generate(body))
-            elif route == ("POST", "/v1/completions"):
-                body, ok = self._json_body()
-                if ok:
-                    self._send(200, svc.completions(body))
-            elif route == ("POST", "/logprobs"):
-                body, ok = self._json_body()
-                if ok:
-                    self._send(200, svc.logprobs(body))
-            elif route == ("POST", "/weights/load_file"):
-                body, ok = self._json_body()
-                if ok:
-                    self._send(200, svc.load_file(body))
-            elif route == ("POST", "/weights"):
-                q = parse_qs(url.query)
-                version, bucket, final = _weights_query(q)
-                data = self._read_body(protocol.MAX_WEIGHTS_BYTES)
-                if data is not None:
-                    self._send(200, svc.push_bucket(data, version, bucket, final))
-            elif route in svc.routes:
-                body, ok = self._json_body(empty_ok=True) if method == "POST" else (None, True)
-                if ok:
-                    self._send(200, svc.routes[route](body))
-            else:
-                self._send(404, {"error": f"{method} {url.path}: no such endpoint"}, close=self._unread_body())
-        except (BadRequest, HpcRlError) as e:
-            svc.count("errors")
-            log.warning("%s %s: 400 %s", method, url.path, first_line(e))
-            self._send(400, {"error": first_line(e)}, close=self._unread_body())
-        except Exception as e:  # a bug: keep serving, say what broke
-            svc.count("errors")
-            log.exception("%s %s failed", method, url.path)
-            self._send(500, {"error": f"{type(e).__name__}: {first_line(e)}"}, close=self._unread_body())
-
-    def do_GET(self):
-        self._handle("GET")
-
-    def do_POST(self):
-        self._handle("POST")
-
-
-def _weights_query(q: dict) -> tuple[int, int, bool]:
-    def get(name: str, default=None):
-        v = q.get(name, [default])[0]
-        if v is None:
-            raise BadRequest(f"{name}: missing query parameter; POST /weights?version=V&bucket=I&final=0|1")
-        return v
-
-    try:
-        version = int(get("version"))
-    except ValueError:
-        raise BadRequest("version: expected an integer query parameter") from None
-    try:
-        bucket = int(get("bucket", "0"))
-    except ValueError:
-        raise BadRequest("bucket: expected an integer query parameter") from None
-    final_s = get("final", "0").lower()
-    if final_s not in ("0", "1", "true", "false"):
-        raise BadRequest("final: expected 0/1 or true/false")
-    if bucket < 0 or version < 0:
-        raise BadRequest("bucket/version: must be >= 0")
-    return version, bucket, final_s in ("1", "true")
-
-
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-
-def make_http_server(service: RolloutService, token: str, host: str, port: int) -> ThreadingHTTPServer:
-    """Bind host:port (0 = any free port); raise HpcRlError naming the address when that fails."""
+def make_http_server(service: RolloutService, token: str, host: str, port: int) -> HttpServer:
+    """The API (app.py) bound to host:port (0 = any free port); HpcRlError naming the address when that fails."""
     if not token:  # `Authorization: Bearer ` would pass the check
         raise HpcRlError("rollout server: refusing to serve without the run's token (RUN/token is empty)")
-    handler = type("BoundHandler", (Handler,), {"service": service, "token": token})
-    cls = _Server
-    if ":" in host:
-        cls = type("_Server6", (_Server,), {"address_family": socket.AF_INET6})
     try:
-        return cls((host, port), handler)
+        sock = bind(host, port)
     except OSError as e:
         raise HpcRlError(f"rollout.host/rollout.port: cannot bind {host}:{port} ({e.strerror}); choose a free "
                          "port (0 picks one) and an address of this node (0.0.0.0 = all interfaces)") from None
+    return HttpServer(make_app(service, token), sock)
 
 
 def _model_vocab(path: str) -> int | None:
