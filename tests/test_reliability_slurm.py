@@ -26,6 +26,22 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 10
 
 
+def _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before: int) -> tuple[str, int]:
+    """Wait for the job to end: COMPLETED after one requeue, resumed from the step the preemption checkpointed
+    (at or after `before`); returns rank 0's log and that step."""
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
+                     f"job {job_id} to be requeued and end\n{run_logs(run)}", poll_s=3)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    assert final["requeues"] == 1, final
+    log0 = (run / "logs" / "trainer-0.log").read_text()
+    m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
+    assert m, run_logs(run)
+    k = int(m.group(1))
+    assert before <= k < STEPS
+    assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
+    return log0, k
+
+
 
 def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
     p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=1",
@@ -53,19 +69,9 @@ def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_
     t_signal = time.time()
     sig = subprocess.run(["scancel", "--signal=USR2", str(job_id)], capture_output=True, text=True, timeout=60)
     assert sig.returncode == 0, sig.stderr
-    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
-                     f"job {job_id} to be requeued and end\n{run_logs(run)}", poll_s=3)
-    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
-    assert final["requeues"] == 1, final
+    log0, k = _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before)
     table = hpc_rl("status", "--runs-dir", str(tmp_path)).stdout
     assert "COMPLETED (requeued 1x)" in table, table
-
-    log0 = (run / "logs" / "trainer-0.log").read_text()
-    m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
-    assert m, run_logs(run)
-    k = int(m.group(1))
-    assert before <= k < STEPS
-    assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
     assert "Traceback" not in log0
 
     rows = metrics_rows(run)
@@ -97,17 +103,7 @@ def test_hetjob_usr2_to_the_batch_shell_checkpoints_then_requeues(slurm_cluster,
     sig = subprocess.run(["scancel", "--batch", "--signal=USR2", str(job_id)], capture_output=True, text=True,
                          timeout=60)
     assert sig.returncode == 0, sig.stderr
-    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
-                     f"hetjob {job_id} to be requeued and end\n{run_logs(run)}", poll_s=3)
-    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
-    assert final["requeues"] == 1, final
-
-    log0 = (run / "logs" / "trainer-0.log").read_text()
-    m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
-    assert m, run_logs(run)
-    k = int(m.group(1))
-    assert before <= k < STEPS
-    assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
+    _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before)
     assert [r["step"] for r in metrics_rows(run)] == list(range(1, STEPS + 1))
     batch_out = next((run / "submitit").glob("*_batch.out")).read_text()
     assert "caught USR2; the trainer ranks checkpoint" in batch_out, batch_out[-2000:]
