@@ -10,8 +10,17 @@ from collections.abc import Iterable
 import requests
 import torch
 
-from ..netutil import advertise_host, auth_session, error_of, free_port
-from .collective_wire import BUCKET_BYTES, CollectiveError, broadcast_buckets, join_group, leave_group, make_plan, plan_bytes
+from ..netutil import advertise_host, auth_session, error_of
+from .collective_wire import (
+    BUCKET_BYTES,
+    CollectiveError,
+    broadcast_buckets,
+    host_store,
+    join_group,
+    leave_group,
+    make_plan,
+    plan_bytes,
+)
 
 log = logging.getLogger("hpc_rl")
 
@@ -98,7 +107,8 @@ class CollectiveSender:
         self.wire_dtype = [i.get("dtype") for i in infos]
         world = 1 + sum(int(i["workers"]) for i in infos)
         addr = self.master_addr or advertise_host()
-        port = self.master_port or free_port(addr)
+        store = None if self.master_port else host_store(addr, world, self.timeout_s)
+        port = self.master_port or store.port
         self.master_addr, self.master_port = addr, port
         base = 1
         body_specs = None
@@ -110,7 +120,7 @@ class CollectiveSender:
                 "backend": self.backend, "timeout_s": self.timeout_s, "specs": body_specs})
             base += int(i["workers"])
         t0 = time.perf_counter()
-        self.pg = join_group(addr, port, world, 0, self.backend, self.timeout_s, device=self.device)
+        self.pg = join_group(addr, port, world, 0, self.backend, self.timeout_s, device=self.device, store=store)
         self._wait_all("join the weight-sync group", lambda st: st.get("joined"))
         log.debug("weight sync: group of %d ranks at %s:%d (%s) formed in %.2fs", world, addr, port,
                   self.backend, time.perf_counter() - t0)

@@ -102,15 +102,29 @@ def leave_group(pg) -> None:
             pass
 
 
+def host_store(master_addr: str, world_size: int, timeout_s: float):
+    """Rank 0's TCPStore on a port the OS picks while binding (its .port): a port found free first and bound
+    later can be taken in between (EADDRINUSE, seen in CI)."""
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(master_addr, 0, world_size, True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    except Exception as e:  # RuntimeError / DistStoreError
+        raise CollectiveError(f"weight sync: cannot host the group's store on {master_addr} ({first_line(e)}); "
+                              "check that this address belongs to the trainer's node") from None
+
+
 def join_group(master_addr: str, master_port: int, world_size: int, rank: int, backend: str,
-               timeout_s: float, device: str = "cpu"):
-    """Join the weight-sync group (rank 0 hosts the TCPStore); returns the backend ProcessGroup."""
+               timeout_s: float, device: str = "cpu", store=None):
+    """Join the weight-sync group (rank 0 hosts the TCPStore, or passes the one host_store made); returns the
+    backend ProcessGroup."""
     from torch.distributed import PrefixStore, TCPStore
 
     timeout = timedelta(seconds=timeout_s)
     try:
-        store = TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
-                         wait_for_workers=False)
+        if store is None:
+            store = TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout,
+                             wait_for_workers=False)
     except Exception as e:  # RuntimeError / DistStoreError: refused, timed out, address in use
         raise CollectiveError(f"weight sync: rank {rank} could not reach the store at {master_addr}:{master_port} "
                               f"within {timeout_s:.0f}s ({first_line(e)}); check that the trainer's "

@@ -72,6 +72,14 @@ def _skip_shm_comm_op() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def shutdown_distributed() -> None:
+    """Tear the process group down before the interpreter exits: left to Python's shutdown, gloo's worker
+    threads can be destroyed while joinable, and the rank dies with SIGABRT ("terminate called without an
+    active exception") after a run that finished (seen on the local Slurm cluster after a requeue)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()

@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .. import config
         from ..rundir import RunDir
-        from .distributed import init_distributed
+        from .distributed import init_distributed, shutdown_distributed
         from .trainer import Trainer
 
         run = RunDir(os.path.abspath(args.run_dir))
@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.resume_if_possible()
         trainer.connect_rollout()
         trainer.fit()
+        shutdown_distributed()  # every rank leaves fit() after the same last collective
         return 0
     except HpcRlError as e:
         # The launcher prints rank 0's last line as the run's error.
