@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _common import machine  # noqa: E402
+
 from hpc_rl.config import TinyModelConfig, load_dict  # noqa: E402
 from hpc_rl.models.tiny import build_tiny_model  # noqa: E402
 
@@ -226,6 +228,7 @@ def main() -> None:
     a = ap.parse_args()
     os.environ.setdefault("HPC_RL_ROLLOUT_THREADS", "2")
     work = Path(tempfile.mkdtemp(prefix="rollout-bench-"))
+    before = machine()  # the load average says whether the numbers mean anything
     out = {"tiny": run_model("tiny", TinyModelConfig(), a.prompts, a.max_new, work, a.reps, a.dtype)}
     if a.big:
         out["qwen0.5b-shape"] = run_model("big", BIG, 8, 32, work, 3, a.dtype)
@@ -233,7 +236,9 @@ def main() -> None:
         out["qwen0.5b-shape"] = "skipped: pass --big (start + warm-up of a 0.5B model exceeds 5 min on 2 CPU cores)"
     res_dir = Path(__file__).resolve().parent / "results"
     res_dir.mkdir(exist_ok=True)
-    (res_dir / "rollout.json").write_text(json.dumps(out, indent=1))
+    result = {**out, "machine": {**before, "load_avg_after": list(os.getloadavg())}}
+    (res_dir / "rollout.json").write_text(json.dumps(result, indent=1))
+    print(f"load average before {before['load_avg']}, after {result['machine']['load_avg_after']}")
     print(f"{'model':<16}{'metric':<34}{'value':>12}")
     for m, r in out.items():
         if isinstance(r, str):
