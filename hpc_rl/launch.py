@@ -431,8 +431,9 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
             if failure is not None:
                 # A non-zero exit ends the whole Slurm step (--kill-on-bad-exit); the trainer's client, on
                 # another node, also reads this file and stops with the same line.
-                write_json_atomic(run.server_failure_file(failure.index), {**asdict(failure), "message": failure.line()})
-                log.error("%s; stopping the job", failure.line())
+                line = failure.line()
+                write_json_atomic(run.server_failure_file(failure.index), {**asdict(failure), "message": line})
+                log.error("%s; stopping the job", line)
                 stop_processes(servers)
                 return failure.code if failure.code and failure.code > 0 else 1
             if len(keeper.stopped) == len(servers):

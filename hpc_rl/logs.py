@@ -41,9 +41,9 @@ def tail_lines(path: Path, n: int) -> list[str]:
 
 def last_error_line(path: Path) -> str:
     """The last line of a log that reports an error (`error: ...`, `ValueError: ...`), else its last line."""
-    lines = tail_lines(path, 10**9)
     if not Path(path).exists():
         return f"{Path(path).name} is missing"
+    lines = tail_lines(path, 10**9)
     for ln in reversed(lines):
         low = ln.lower()
         if ("error" in low or "exception" in low or "killed" in low) and not low.startswith("traceback"):

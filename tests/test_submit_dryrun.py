@@ -8,7 +8,7 @@ from collections import namedtuple
 
 import pytest
 
-from hpc_rl import cli, config
+from hpc_rl import cli, config, netutil
 from hpc_rl.cluster import env as cenv
 from hpc_rl.cluster.layout import node_roles, role_of, total_nodes
 from hpc_rl.cluster.nccl import nccl_env
@@ -191,7 +191,7 @@ def test_prepare_node_env_spec_wins_and_node_values_are_fresh(monkeypatch):
     addr, ifname = cenv.node_address()
     assert used["HPC_RL_NODE_ADDR"] == addr == os.environ["HPC_RL_NODE_ADDR"]
     assert os.environ["GLOO_SOCKET_IFNAME"] == ifname != "wrong-from-login-node"
-    assert cenv.interfaces()[ifname] == addr
+    assert netutil.interfaces()[ifname] == addr
     assert os.environ["NCCL_DEBUG"] == "WARN" and os.environ["MY_VAR"] == "7"
 
 

@@ -7,7 +7,7 @@ import os
 import socket
 
 from ..config import JobConfig
-from ..netutil import NODE_ADDR_ENV, interfaces, node_address  # noqa: F401 (interfaces: re-exported)
+from ..netutil import NODE_ADDR_ENV, node_address
 from .nccl import nccl_env
 
 log = logging.getLogger("hpc_rl")

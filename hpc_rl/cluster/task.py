@@ -32,7 +32,6 @@ log = logging.getLogger("hpc_rl")
 
 def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     """Prepare this node's environment and run its role; returns launch.run_node's exit code."""
-
     setup_logging(rank=0)
     run = RunDir(Path(run_dir))
     cfg = config.load(run.job_yaml)
@@ -50,7 +49,6 @@ def requeue_after_failure(run_dir: Path, rc: int) -> bool:
 
     Exit code 2 (a user error: bad data, a failing reward) is never retried: it would fail again.
     """
-
     run = RunDir(run_dir)
     allowed = config.load(run.job_yaml).slurm.requeue_on_failure
     done = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
@@ -114,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
 def _checkpoint_on_usr_signals(run_dir: Path) -> None:
     """The hetjob script passes the preemption warning (USR2) on to the trainer component: this node's
     trainer ranks then checkpoint and exit (NodeTask.checkpoint does the same under submitit)."""
-
     wait_s = checkpoint_wait_s(config.load(RunDir(run_dir).job_yaml))
 
     def on_signal(signum, _frame):

@@ -164,8 +164,8 @@ def _json_route(fn, call, method: str):
     return endpoint
 
 
-def make_app(service, token: str) -> FastAPI:
-    """The rollout server's ASGI app: the guard, the router, and one-line JSON errors."""
+def make_app(service, token: str) -> Guard:
+    """The rollout server's ASGI app: the FastAPI router and one-line JSON errors, behind the guard."""
     app = FastAPI(title="hpc-rl rollout server", docs_url=None, redoc_url=None, openapi_url=None)
     app.include_router(make_router(service))
 
