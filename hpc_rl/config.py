@@ -199,6 +199,12 @@ class TrainerConfig:
     betas: list = field(default_factory=lambda: [0.9, 0.999])
     # Optimizer steps of linear learning-rate warm-up.
     warmup_steps: int = 0
+    # Learning rate after warm-up, over the run's optimizer steps: constant, or a linear or cosine decay
+    # to min_lr_ratio x lr at the last step (a late decay keeps a converged policy from drifting off).
+    # The decay spans trainer.steps: raising trainer.steps on resume stretches the rest of it.
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    # Where linear/cosine decay ends, as a fraction of lr (and of critic_lr).
+    min_lr_ratio: float = 0.0
     # Gradient norm clip (0 disables it).
     grad_clip: float = 1.0
     # DeepSpeed ZeRO stage of actor and critic (3: parameters, gradients and optimizer state sharded).
@@ -395,6 +401,12 @@ class JobConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: RL steps x PPO epochs x mini-batches per step."""
+        per_step = self.samples_per_step // max(self.trainer.mini_batch_size, 1)
+        return self.trainer.steps * self.algorithm.ppo_epochs * per_step
+
+    @property
     def samples_per_step(self) -> int:
         return self.trainer.prompts_per_step * self.algorithm.group_size
 
@@ -578,6 +590,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1")
     need(t.lr > 0, f"trainer.lr must be > 0; got {t.lr}")
     need(t.critic_lr is None or t.critic_lr > 0, "trainer.critic_lr must be > 0")
+    need(t.warmup_steps >= 0, f"trainer.warmup_steps must be >= 0; got {t.warmup_steps}")
+    need(0 <= t.min_lr_ratio <= 1, f"trainer.min_lr_ratio must be in [0, 1]; got {t.min_lr_ratio}")
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
     need(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip must be > 0 (or null); got {cfg.reward.clip}")

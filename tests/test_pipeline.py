@@ -35,7 +35,8 @@ def only_run(out: Path) -> Path:
 def short_run(tmp_path_factory):
     """4 steps, checkpoints at 2 and 4, sync check after every push."""
     cwd = tmp_path_factory.mktemp("short")
-    r = hpc_rl("run", TOY, "trainer.steps=4", "checkpoint.every=2", "trainer.check_sync_every=1",
+    # A constant lr: a decay spans trainer.steps, so a 4-step run resumed to 6 would not match a 6-step run.
+    r = hpc_rl("run", TOY, "trainer.steps=4", "checkpoint.every=2", "trainer.check_sync_every=1", "trainer.lr_schedule=constant",
                "trainer.sync_tolerance=1e-4", cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return cwd, only_run(cwd), r
@@ -121,7 +122,7 @@ def test_resume_continues_steps_data_order_and_results(short_run, tmp_path_facto
     assert [x["step"] for x in resumed] == [1, 2, 3, 4, 5, 6]
 
     cwd2 = tmp_path_factory.mktemp("straight")
-    r2 = hpc_rl("run", TOY, "trainer.steps=6", "checkpoint.every=0", cwd=cwd2)
+    r2 = hpc_rl("run", TOY, "trainer.steps=6", "checkpoint.every=0", "trainer.lr_schedule=constant", cwd=cwd2)
     assert r2.returncode == 0, r2.stdout[-3000:] + r2.stderr[-3000:]
     straight = read_metrics(only_run(cwd2) / "metrics.jsonl")
     cfg = config.load(TOY)

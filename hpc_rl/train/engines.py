@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 
 import torch
@@ -36,9 +37,24 @@ def _optimizer(model, lr: float, cfg: JobConfig):
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
 
 
+def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
+    """The multiple of the base learning rate at optimizer step `step` (0-based): linear warm-up over `warmup`
+    steps, then constant or a linear/cosine decay that reaches `min_ratio` at step `total` - 1."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    span = max(total - 1 - warmup, 1)
+    progress = min(1.0, (step - warmup) / span)
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_ratio + (1.0 - min_ratio) * shape
+
+
 def _scheduler(optimizer, cfg: JobConfig):
-    warm = cfg.trainer.warmup_steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+    t = cfg.trainer
+    total = cfg.optimizer_steps
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio))
 
 
 def build_actor(cfg: JobConfig, world_size: int, device_kind: str):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import set_seed
 
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
@@ -76,6 +77,9 @@ class Trainer:
         self.cfg, self.run, self.dist = cfg, run, dist
         self.device_kind = resolve_device_kind(cfg)
         t0 = time.time()
+        # Weights created at load (the critic's value head, any missing head) come from the global RNGs:
+        # seeded alike on every rank, a run is reproducible and a resumed PPO run builds the same critic.
+        set_seed(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = build_actor(cfg, dist.world_size, self.device_kind)
         self.critic = build_critic(cfg, dist.world_size, self.device_kind) if cfg.algorithm.uses_critic else None
@@ -374,6 +378,7 @@ class Trainer:
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         out["skipped_updates"] = float(skipped)
+        out["lr"] = float(self.actor.get_lr()[0])
         self._skipped_this_step = skipped > 0
         return out
 
