@@ -19,7 +19,7 @@ from . import config, rundir
 from .cluster.nccl import nccl_env
 from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
-from .errors import HpcRlError
+from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
 from .models.tiny import build_tiny_model
@@ -76,17 +76,19 @@ except (OSError, AttributeError):  # not Linux
     _prctl = None
 
 
-def _die_with_parent():
+def _die_with_parent(cpus: list[int] | None = None):
     """A preexec_fn: the child gets SIGKILL when this launcher dies (even by SIGKILL), so no rank or
     server outlives it. Children run in their own session, so killing the launcher's group alone
     would otherwise leave them behind.
 
     It also ignores SIGUSR1/SIGUSR2 (inherited through exec): Slurm sends its preemption warning to
     every process of a step, and its default action would kill a rollout server mid-step; trainer
-    ranks install their own handler (train/main.py)."""
+    ranks install their own handler (train/main.py). With `cpus`, the child is pinned to those cores."""
     parent = os.getpid()
 
     def preexec() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         if _prctl is not None:
@@ -107,16 +109,21 @@ def _base_env(cfg: JobConfig) -> dict:
     return env
 
 
-def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list | None = None) -> subprocess.Popen:
-    """One rollout server process; its output goes to logs/rollout-K.log."""
+def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list | None = None,
+                         cpus: list[int] | None = None) -> subprocess.Popen:
+    """One rollout server process (pinned to `cpus` when given); its output goes to logs/rollout-K.log."""
     env = _base_env(cfg)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    if cpus:
+        # The engines' CPU threads follow the cores they were given (HF engine; vLLM's CPU worker binding).
+        env.setdefault("HPC_RL_ROLLOUT_THREADS", str(len(cpus)))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     run.logs.mkdir(parents=True, exist_ok=True)
     logf = open(run.logs / f"rollout-{index}.log", "ab")
     cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                            preexec_fn=_die_with_parent())
+                            preexec_fn=_die_with_parent(cpus))
 
 
 MAX_SERVER_RESTARTS = 3
@@ -151,11 +158,13 @@ class ServerKeeper:
     given up at once: startup failures repeat, and a run must not wait for a server that cannot come.
     `procs` is updated in place, so stop_processes always sees the live ones."""
 
-    def __init__(self, run: RunDir, cfg: JobConfig, indices: list[int], devices: dict | None = None):
+    def __init__(self, run: RunDir, cfg: JobConfig, indices: list[int], devices: dict | None = None,
+                 cpus: list[int] | None = None):
         self.run, self.cfg = run, cfg
         self.devices = devices or {}
+        self.cpus = cpus
         self.indices = list(indices)
-        self.procs = [start_rollout_server(run, cfg, k, self.devices.get(k)) for k in self.indices]
+        self.procs = [start_rollout_server(run, cfg, k, self.devices.get(k), cpus) for k in self.indices]
         self.restarts = {k: 0 for k in self.indices}
         self.served = {k: False for k in self.indices}
         self.stopped: set[int] = set()  # exited cleanly (asked to stop)
@@ -191,7 +200,7 @@ class ServerKeeper:
                         "logs/rollout-%d.log:\n%s", k, code, node, self.restarts[k],
                         MAX_SERVER_RESTARTS, k, "\n".join(tail_lines(self.run.logs / f"rollout-{k}.log", 5)))
             self.run.rollout_file(k).unlink(missing_ok=True)  # the old address is gone; the new one is published
-            self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k))
+            self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k), self.cpus)
         return None
 
 
@@ -206,8 +215,9 @@ def _tee(src, path: Path, echo: bool) -> None:
 
 
 def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr: str, master_port: int,
-                        echo_rank0: bool = True) -> list[subprocess.Popen]:
-    """cfg.trainer.procs_per_node rank processes of this node; rank 0 is echoed to the console."""
+                        echo_rank0: bool = True, cpus: list[int] | None = None) -> list[subprocess.Popen]:
+    """cfg.trainer.procs_per_node rank processes of this node (pinned to `cpus` when given); rank 0 is echoed
+    to the console."""
     ppn = cfg.trainer.procs_per_node
     world = cfg.trainer.nodes * ppn
     procs = []
@@ -219,7 +229,7 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
         env.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                             preexec_fn=_die_with_parent())
+                             preexec_fn=_die_with_parent(cpus))
         tee = threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log",
                                                   echo_rank0 and rank == 0), daemon=True)
         tee.start()
@@ -323,6 +333,21 @@ def _wait_trainers(run: RunDir, trainers: list[subprocess.Popen], others: list[s
 # --------------------------------------------------------------------------- hpc-rl run
 
 
+def _local_cpus(cfg: JobConfig) -> tuple[list[int] | None, list[int] | None]:
+    """trainer.local_cpus and rollout.local_cpus, checked against the cores this process may use."""
+    usable = os.sched_getaffinity(0)
+    out = []
+    for key, cpus in (("trainer.local_cpus", cfg.trainer.local_cpus), ("rollout.local_cpus", cfg.rollout.local_cpus)):
+        missing = sorted(set(cpus) - usable)
+        if missing:
+            raise ConfigError(f"{key}: core(s) {missing} are not available here (this process may use "
+                              f"{sorted(usable)}); name cores from that list or leave the key empty")
+        out.append(list(cpus) or None)
+    if out[0] and out[1]:
+        log.info("CPU pinning: trainer ranks on cores %s, rollout servers on cores %s", out[0], out[1])
+    return out[0], out[1]
+
+
 def run_local(run: RunDir, cfg: JobConfig) -> int:
     """The whole job on this machine: rollout server(s), then the trainer ranks; waits for the end."""
     clear_rendezvous(run)
@@ -332,8 +357,10 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     try:
         devs = list(cfg.rollout.local_devices)
         per = cfg.rollout.tensor_parallel
+        trainer_cpus, rollout_cpus = _local_cpus(cfg)
         keeper = ServerKeeper(run, cfg, list(range(n_servers)),
-                              {k: devs[k * per:(k + 1) * per] for k in range(n_servers)} if devs else None)
+                              {k: devs[k * per:(k + 1) * per] for k in range(n_servers)} if devs else None,
+                              rollout_cpus)
         servers = keeper.procs
         log.info("run dir %s: %d rollout server(s), %d trainer rank(s)", run.root, n_servers, cfg.world_size)
         if cfg.trainer.nodes != 1:
@@ -341,7 +368,7 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
                         cfg.trainer.procs_per_node)
             cfg.trainer.nodes = 1
             run.job_yaml.write_text(config.dump(cfg))
-        trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"))
+        trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"), cpus=trainer_cpus)
         code = wait_trainers(run, trainers, servers, keeper)
     except KeyboardInterrupt:
         stop_processes(trainers + servers)

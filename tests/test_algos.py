@@ -415,3 +415,46 @@ def test_clip_ratio_high_and_kl_in_reward_are_validated():
         load_dict({"model": {"path": "m"}, "algorithm": {"name": "grpo", "kl": {"in_reward": True}}})
     with pytest.raises(ConfigError, match="algorithm.name: 'gpro' is not valid.*did you mean 'grpo'"):
         load_dict({"model": {"path": "m"}, "algorithm": {"name": "gpro"}})
+
+
+def test_truncated_is_weights_by_hand():
+    from hpc_rl.algos.correction import truncated_is_weights
+
+    # exp(prox - behaviour): t1 e^0 = 1, t2 e^ln3 = 3 -> truncated to 2, t3 e^ln0.5 = 0.5; padding -> 0
+    prox = T([[0.0, math.log(3.0), 7.0], [math.log(0.5), 0.0, 0.0]])
+    behaviour = T([[0.0, 0.0, -50.0], [0.0, 0.0, float("nan")]])
+    mask = T([[1, 1, 0], [1, 0, 0]])
+    w, stats = truncated_is_weights(prox, behaviour, mask, cap=2.0)
+    close(w, [[1.0, 2.0, 0.0], [0.5, 0.0, 0.0]])
+    assert stats["tis_weight_mean"] == pytest.approx((1 + 3 + 0.5) / 3)
+    assert stats["tis_weight_max"] == pytest.approx(3.0)
+    assert stats["tis_truncated_frac"] == pytest.approx(1 / 3)
+    assert not w.requires_grad
+
+
+def test_policy_loss_with_importance_weights_by_hand():
+    new, old, adv, mask = _policy_case()
+    w = T([[2.0, 0.5, 9.0], [1.0, 0.0, 9.0]])
+    loss, _ = policy_loss(new, old, adv, mask, clip_ratio=0.2, is_weights=w)
+    close(loss, (2.0 * -1.2 + 0.5 * -0.5 + 1.0 * 0.8 + 0.0 * 1.5) / 4)
+    loss.backward()
+    close(new.grad, [[0.0, 0.5 * -0.5 / 4, 0.0], [0.0, 0.0, 0.0]])
+
+
+def test_async_steps_and_rollout_correction_config():
+    from hpc_rl.config import load_dict
+    from hpc_rl.errors import ConfigError
+
+    cfg = load_dict({"model": {"path": "m"}, "rollout": {"async_steps": 2}})
+    assert cfg.algorithm.correction(cfg.rollout.async_steps) == "tis"
+    assert cfg.algorithm.correction(0) == "none"
+    cfg = load_dict({"model": {"path": "m"}, "rollout": {"async_steps": 1}, "algorithm": {"rollout_correction": "none"}})
+    assert cfg.algorithm.correction(1) == "none"
+    with pytest.raises(ConfigError, match=r"rollout.async_steps must be in \[0, 16\]"):
+        load_dict({"model": {"path": "m"}, "rollout": {"async_steps": -1}})
+    with pytest.raises(ConfigError, match="algorithm.tis_cap must be >= 1"):
+        load_dict({"model": {"path": "m"}, "algorithm": {"tis_cap": 0.5}})
+    with pytest.raises(ConfigError, match="rollout.max_policy_lag: replaced by rollout.async_steps"):
+        load_dict({"model": {"path": "m"}, "rollout": {"max_policy_lag": 1}})
+    with pytest.raises(ConfigError, match=r"trainer.local_cpus must be a list of CPU core numbers"):
+        load_dict({"model": {"path": "m"}, "trainer": {"local_cpus": ["a"]}})

@@ -179,3 +179,26 @@ def test_hetjob_layout_runs_each_role_in_its_component(slurm_cluster, tmp_path):
     host = rollout_out.split("node 1/2 on ")[1].split()[0]
     assert f"serving http://{NODE_ADDRS[host]}:" in (run / "logs" / "rollout-0.log").read_text()
     assert read_json(run / "rendezvous" / "done.json")["step"] == 3
+
+
+@pytest.mark.slow
+def test_async_rollouts_across_a_trainer_node_and_a_rollout_node(slurm_cluster, tmp_path):
+    """rollout.async_steps=1 on n1 (trainer) + n2 (rollout server): generation runs one step ahead, every
+    sample is at most one version old, pushes reach the other node, and a checkpoint keeps the batch
+    generated ahead."""
+    run = _submit("trainer.nodes=1", "rollout.nodes=1", "rollout.async_steps=1", "trainer.steps=6",
+                  "checkpoint.every=3", out=tmp_path)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900,
+                     f"job {job_id} to end", poll_s=5)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        assert r["policy_lag_max"] == min(r["step"] - 1, 1), r
+        assert r["trainer_wait_seconds"] >= 0 and r["rollout_idle_seconds"] >= 0
+    # A push is reported by the step after it finished (the first step has none yet).
+    assert all(r["sync_bytes"] > 0 for r in rows[1:])
+    assert "policy_version 5" in (run / "logs" / "rollout-0.log").read_text()
+    pending = json.loads((run / "checkpoints" / "step_3" / "pending_batches.json").read_text())
+    assert [b["step"] for b in pending] == [3] and set(pending[0]["versions"]) == {2}

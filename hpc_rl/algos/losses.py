@@ -40,10 +40,12 @@ def policy_loss(
     clip_ratio: float,
     agg: str = "token_mean",
     clip_ratio_high: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """PPO clipped surrogate: max(-A*r, -A*clip(r, 1-eps_lo, 1+eps_hi)) aggregated over valid tokens.
+    """PPO clipped surrogate: w * max(-A*r, -A*clip(r, 1-eps_lo, 1+eps_hi)) aggregated over valid tokens.
 
-    r = exp(logprobs - old_logprobs). clip_ratio_high (DAPO "clip-higher") defaults to clip_ratio.
+    r = exp(logprobs - old_logprobs). clip_ratio_high (DAPO "clip-higher") defaults to clip_ratio. w: per-token
+    off-policy weights (algos.correction.truncated_is_weights), 1 when None.
     stats: clipfrac (share of valid tokens where the clipped term is the larger one, i.e. the
     gradient is cut), approx_kl (k3 estimator of KL(old || new): mean of (r - 1) - log r, always
     >= 0, as in CleanRL/SB3), ratio_mean (mean r over valid tokens).
@@ -59,7 +61,10 @@ def policy_loss(
     advantages = torch.where(m, advantages, torch.zeros_like(advantages))
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + hi)
-    loss = aggregate(torch.maximum(unclipped, clipped), mask, agg)
+    per_token = torch.maximum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    loss = aggregate(per_token, mask, agg)
     with torch.no_grad():
         stats = {
             "clipfrac": _float(masked_mean((clipped > unclipped).to(logprobs.dtype), mask)),
@@ -78,12 +83,14 @@ def actor_loss(
     mask: torch.Tensor,
     a: AlgorithmConfig,
     kl_coef: float,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The actor's loss on one micro-batch: policy_loss (clip_ratio, clip_ratio_high) - entropy_coef * entropy
     + kl_coef * KL(policy || reference) when ref_logprobs is given (the KL as a loss term, as GRPO does:
-    https://arxiv.org/abs/2402.03300), each aggregated by algorithm.loss_agg.
+    https://arxiv.org/abs/2402.03300), each aggregated by algorithm.loss_agg; is_weights go to policy_loss.
     stats: policy_loss, entropy, kl_loss (with a reference), and policy_loss's."""
-    pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, a.clip_ratio, a.loss_agg, a.clip_ratio_high)
+    pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, a.clip_ratio, a.loss_agg, a.clip_ratio_high,
+                            is_weights)
     loss = pg
     ent = aggregate(entropy, mask, a.loss_agg)
     if a.entropy_coef:

@@ -23,6 +23,10 @@ log = logging.getLogger("hpc_rl")
 SHARD_BYTES = 4 * 1024**3
 
 
+# Batches generated ahead of the checkpoint's step (token ids, engine log-probs, versions, scores), JSON.
+PENDING = "pending_batches.json"
+
+
 def step_dir(run: RunDir, step: int) -> Path:
     return run.checkpoints / f"step_{step}"
 
@@ -85,8 +89,9 @@ def verify(path: Path) -> bool:
 
 
 def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_dict: dict | None,
-         model_config, tokenizer, keep_last: int, rank: int) -> Path | None:
-    """Collective: every rank writes its DeepSpeed shards; rank 0 writes HF weights, state, manifest, `latest`."""
+         model_config, tokenizer, keep_last: int, rank: int, pending: list[dict] | None = None) -> Path | None:
+    """Collective: every rank writes its DeepSpeed shards; rank 0 writes HF weights, state, the batches generated
+    ahead and not yet trained on (`pending`, async rollouts), manifest, `latest`."""
     final = step_dir(run, step)
     tmp = run.checkpoints / f".step_{step}.tmp"
     if rank == 0:
@@ -102,6 +107,8 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
         if hf_state_dict is not None:
             save_hf_folder(hf_state_dict, model_config, tokenizer, tmp / "hf")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
+        if pending:
+            (tmp / PENDING).write_text(json.dumps(pending))
         write_json_atomic(tmp / "manifest.json", _manifest(tmp))
         fsync_tree(tmp)
         if final.exists():  # a re-run of this step after a resume
@@ -137,6 +144,12 @@ def find_latest(run: RunDir) -> Path | None:
             return c
         log.warning("checkpoint %s is incomplete (files missing or cut short); skipping it", c)
     return None
+
+
+def load_pending(path: Path) -> list[dict]:
+    """The batches a checkpoint holds that were generated ahead and not yet trained on (async rollouts)."""
+    f = path / PENDING
+    return json.loads(f.read_text()) if f.is_file() else []
 
 
 def load(path: Path, engines: dict) -> dict:

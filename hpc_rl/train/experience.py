@@ -54,6 +54,15 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> B
     return Batch(ids, att, pos, resp_mask, P)
 
 
+def pad_rows(rows: list[list[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    """[len(rows), width] float32 tensor of ragged rows, right-padded with `fill` (as pack pads responses)."""
+    out = torch.full((len(rows), width), fill, dtype=torch.float32)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, :len(r)] = torch.tensor(r[:width], dtype=torch.float32)
+    return out
+
+
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
     """Log-probs [B, R] of the response tokens (and entropies) under `model` (a DeepSpeed engine or module)."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,

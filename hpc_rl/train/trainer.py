@@ -13,26 +13,25 @@ import numpy as np
 import torch
 from transformers import set_seed
 
+from ..algos.correction import truncated_is_weights
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.losses import actor_loss, value_loss
 from ..algos.utils import masked_mean
 from ..config import JobConfig
-from ..data.datasets import PromptDataset
-from ..data.sampler import indices_for_step
-from ..errors import RolloutError, TrainingError
+from ..errors import HpcRlError, RolloutError, TrainingError
 from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
-from ..rewards.base import RewardShaper, compute_rewards, load_reward_fn
 from ..rollout.client import RolloutClient
-from ..rollout.engine import SamplingParams
 from ..rundir import RunDir, write_json_atomic
 from . import checkpoint
+from .batch_maker import BatchMaker
 from .distributed import DistInfo, all_reduce_scalar, broadcast_object, resolve_device_kind
 from .ds_config import batch_sizes
 from .engines import build_actor, build_critic, build_reference, gather_state_dict
-from .experience import Batch, batched_forward, pack, policy_forward, value_forward
+from .experience import Batch, batched_forward, pack, pad_rows, policy_forward, value_forward
+from .rollout_pipeline import RolloutPipeline
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -51,6 +50,10 @@ class _RolloutStop(Exception):
     """Raised on every rank at once when rank 0 could not get samples: checkpoint, then stop."""
 
 
+class _FatalStop(Exception):
+    """Raised on every rank at once when rank 0's rollout side failed beyond a checkpoint (e.g. a sync check)."""
+
+
 @dataclass
 class Shard:
     """This rank's contiguous slice of the step's samples."""
@@ -59,6 +62,7 @@ class Shard:
     rows: slice  # its rows among all the step's samples
     all_scores: torch.Tensor  # [N] every sample's (shaped) score, on CPU
     scores: torch.Tensor  # [B] this shard's scores, on this rank's device
+    rollout_logprobs: torch.Tensor  # [B, R] the rollout engine's log-probs of the sampled tokens (behaviour policy)
 
 
 @dataclass
@@ -68,6 +72,8 @@ class Forwards:
     old_logprobs: torch.Tensor  # [B, T] the actor's, the PPO ratio's denominator
     ref_logprobs: torch.Tensor | None  # [B, T] the frozen reference's (only when a KL term is used)
     values: torch.Tensor | None  # [B, T] the critic's (only for algorithms with a critic)
+    # [B, T] the actor's at temperature 1, as the engines report theirs (only for tis at another temperature)
+    raw_old_logprobs: torch.Tensor | None = None
 
 
 class Trainer:
@@ -105,12 +111,13 @@ class Trainer:
         self.nonfinite_in_a_row = 0
         self._skipped_this_step = False  # set by _update: an optimizer step of this RL step was discarded
         self.policy_version = 0
+        self.correction = cfg.algorithm.correction(cfg.rollout.async_steps)
+        # Rank 0 only: the rollout client, the batch maker and the pipeline that runs them (connect_rollout).
         self.client = None
+        self.maker = None
+        self.pipeline = None
         self.metrics = None
-        if dist.is_main:
-            self.dataset = PromptDataset(cfg.data, self.tokenizer, cfg.seed)
-            self.reward_fn = load_reward_fn(cfg.reward.function)
-            self.shaper = RewardShaper(cfg.reward)
+        self._resumed: dict = {}  # rank 0: the reward shaper's state and the pending batches of the checkpoint
 
     # ------------------------------------------------------------------ set-up
 
@@ -125,59 +132,31 @@ class Trainer:
         self.policy_version = state["step"]
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.dist.is_main:
-            self.shaper.load_state_dict(state["reward_shaper"])
-            log.info("resumed from %s (step %d)", path, self.step)
+            self._resumed = {"shaper": state["reward_shaper"], "pending": checkpoint.load_pending(Path(path))}
+            log.info("resumed from %s (step %d%s)", path, self.step,
+                     f", {len(self._resumed['pending'])} batch(es) generated ahead" if self._resumed["pending"] else "")
 
     def connect_rollout(self) -> None:
         if not self.dist.is_main:
             return
-        self.client = RolloutClient.from_run_dir(self.run, self.cfg)
-        self.client.wait_ready(self.cfg.rollout_servers, self.cfg.rollout.startup_timeout_s)
-        self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if self.cfg.logging.tensorboard else None,
+        cfg = self.cfg
+        self.client = RolloutClient.from_run_dir(self.run, cfg)
+        self.client.wait_ready(cfg.rollout_servers, cfg.rollout.startup_timeout_s)
+        self.maker = BatchMaker(cfg, self.tokenizer, self.client)
+        if self._resumed:
+            self.maker.shaper.load_state_dict(self._resumed["shaper"])
+        r = cfg.rollout
+        pending = self._resumed.get("pending") or []
+        if pending and [b["step"] for b in pending] != list(range(self.step, self.step + len(pending))):
+            raise TrainingError(f"the checkpoint of step {self.step} holds batches for steps "
+                                f"{[b['step'] + 1 for b in pending]}, not the ones after it; it is damaged")
+        self.pipeline = RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, self.step,
+                                        cfg.trainer.steps, ready=pending[:r.async_steps],
+                                        wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1))
+        self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if cfg.logging.tensorboard else None,
                                      resume_step=self.step)
 
     # ------------------------------------------------------------------ one step
-
-    def _generate(self, step: int):
-        """Rank 0: prompts for this step, their samples and rewards; returns the payload for all ranks."""
-        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
-        idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
-        prompts = [self.dataset.token_ids[i] for i in idx]
-        stop_ids = sorted({self.tokenizer.eos_token_id, *self._stop_ids()})
-        params = SamplingParams(n=a.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                top_p=r.top_p, top_k=r.top_k, stop_token_ids=stop_ids,
-                                seed=(cfg.seed * 1_000_003 + step) % (2**31))
-        t0 = time.time()
-        res = self.client.generate(prompts, params, step=step)
-        gen_s = time.time() - t0
-        lag = [self.policy_version - v for v in res.policy_versions]
-        if max(lag) > r.max_policy_lag:
-            raise RolloutError(f"step {step}: rollout servers answered with policy version {min(res.policy_versions)}"
-                               f" but the trainer is at {self.policy_version}; a server missed a weight update "
-                               "(raise rollout.max_policy_lag to accept off-policy samples)")
-        prompt_ids, resp_ids, texts, rows, rollout_lp = [], [], [], [], []
-        for i, samples in zip(idx, res.outputs):
-            for s in samples:
-                prompt_ids.append(self.dataset.token_ids[i])
-                resp_ids.append(list(s.token_ids))
-                rollout_lp.append(list(s.logprobs))
-                texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                rows.append(self.dataset.rows[i])
-        t1 = time.time()
-        scores = compute_rewards(self.reward_fn, cfg.reward, [self.dataset.texts[i] for i in idx
-                                                                for _ in range(a.group_size)], texts, rows)
-        shaped = self.shaper(scores)
-        reward_s = time.time() - t1
-        gen_tokens = sum(len(x) for x in resp_ids)
-        stats = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
-                 "reward_max": float(scores.max()), "response_len": gen_tokens / len(resp_ids),
-                 "gen_seconds": gen_s, "reward_seconds": reward_s,
-                 "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
-                 "prompt_ids": [int(self.dataset.rows[i]["id"]) for i in idx]}
-        if debug:
-            log.debug("step %d: %d prompts x %d samples, response tokens %d, sample: %r -> %r (%.2f)", step + 1,
-                      len(idx), a.group_size, gen_tokens, self.dataset.texts[idx[0]], texts[0], scores[0])
-        return {"prompts": prompt_ids, "responses": resp_ids, "scores": shaped.tolist(), "stats": stats}
 
     def _server_log_tails(self, lines: int = 2) -> str:
         """' | rollout-K.log: last lines' for every server, on one line (the error stays one line)."""
@@ -187,49 +166,59 @@ class Trainer:
             parts.append(f"logs/rollout-{k}.log: " + " / ".join(t.strip() for t in tail))
         return " | " + " | ".join(parts) if parts else ""
 
-    def _stop_ids(self) -> list[int]:
-        ids = []
-        for s in self.cfg.rollout.stop:
-            toks = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-            if len(toks) == 1:
-                ids.append(toks[0])
-        return ids
-
     def train_step(self, step: int) -> dict:
         """One RL iteration, as DESIGN.md lists it; collective over all trainer ranks. Returns metrics on rank 0."""
         t_start = time.time()
-        payload = self._rollout_batch(step)  # generate + score (rank 0), then every rank has the batch
+        payload = self._rollout_batch(step)  # generated + scored on rank 0 (or ahead, by the pipeline); all ranks
+        t_wait = time.time() - t_start
         shard = self._shard(payload)
         t0 = time.time()
         fwd = self._forwards(shard)
         t_fwd = time.time() - t0
         adv, returns, kl_tok = self._advantages(shard, fwd)
+        is_weights, correction = self._correction(shard, fwd)
         if debug and self.dist.is_main:
             log.debug("step %d shapes: %d samples, this rank's shard input_ids %s (prompt %d + response %d), "
                       "micro-batch %d; no-grad forwards %.2fs", step + 1, len(payload["prompts"]),
                       tuple(shard.batch.input_ids.shape), shard.batch.prompt_len, shard.batch.responses.shape[1],
                       self.micro, t_fwd)
         t0 = time.time()
-        stats = self._update(shard.batch, fwd, adv, returns)
+        stats = self._update(shard.batch, fwd, adv, returns, is_weights)
         t_update = time.time() - t0
+        stats.update(correction)
         t0 = time.time()
         sync = self._sync_weights(step, payload)
         t_sync = time.time() - t0
-        timings = {"forward_seconds": t_fwd, "update_seconds": t_update, "sync_seconds": t_sync}
+        timings = {"trainer_wait_seconds": t_wait, "forward_seconds": t_fwd, "update_seconds": t_update,
+                   "sync_seconds": t_sync}
         return self._step_metrics(step, payload, shard, kl_tok, stats, sync, timings, t_start)
 
     def _rollout_batch(self, step: int) -> dict:
-        """Rank 0 generates and scores this step's samples; every rank gets them (or all stop together)."""
+        """Rank 0 takes this step's batch from the rollout pipeline; every rank gets it (or all stop together)."""
         payload = None
         if self.dist.is_main:
             try:
-                payload = self._generate(step)
+                payload = self.pipeline.get(step)
+                self._check_policy_lag(step, payload["versions"])
             except RolloutError as e:  # every server gone past the client's timeouts and retries
                 payload = {"rollout_error": f"{e}{self._server_log_tails()}"}
+            except HpcRlError as e:  # e.g. a failed weight-sync check of the pipeline's last push
+                payload = {"fatal_error": str(e)}
         payload = broadcast_object(payload)
         if "rollout_error" in payload:
             raise _RolloutStop(payload["rollout_error"])
+        if "fatal_error" in payload:
+            raise _FatalStop(payload["fatal_error"])
         return payload
+
+    def _check_policy_lag(self, step: int, versions: list[int]) -> None:
+        """No sample may come from a policy more than rollout.async_steps versions older than the trainer's."""
+        n = self.cfg.rollout.async_steps
+        oldest = min(versions)
+        if self.policy_version - oldest > n:
+            raise RolloutError(f"step {step + 1}: rollout servers answered with policy version {oldest} but the trainer "
+                               f"is at {self.policy_version} (rollout.async_steps {n} allows {n} version(s) of lag); "
+                               "a server missed a weight update")
 
     def _shard(self, payload: dict) -> Shard:
         """This rank's contiguous 1/world of the samples, packed on its device."""
@@ -238,7 +227,9 @@ class Trainer:
         rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
         batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id)
         all_scores = torch.tensor(payload["scores"], dtype=torch.float32)
-        return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device))
+        rollout_lp = pad_rows(payload["rollout_logprobs"][rows], batch.responses.shape[1])
+        return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
+                     rollout_lp.to(dist.device))
 
     def _forwards(self, shard: Shard) -> Forwards:
         """Old log-probs (actor), reference log-probs and values (critic) of the shard, without gradients."""
@@ -250,7 +241,20 @@ class Trainer:
         if self.critic is not None:
             self.critic.eval()
             values = batched_forward(value_forward, self.critic, shard.batch, self.micro)
-        return Forwards(old_lp, ref_lp, values)
+        raw_lp = None
+        if self.correction == "tis" and temp != 1.0:  # the engines report temperature-1 log-probs
+            raw_lp = batched_forward(policy_forward, self.actor, shard.batch, self.micro)
+        return Forwards(old_lp, ref_lp, values, raw_lp)
+
+    def _correction(self, shard: Shard, fwd: Forwards) -> tuple[torch.Tensor | None, dict]:
+        """Truncated importance weights between the trainer's policy and the one that sampled (rollout_correction
+        tis), and the mismatch statistics, which are logged with or without the correction."""
+        a = self.cfg.algorithm
+        if self.correction == "none" and self.cfg.rollout.temperature != 1.0:
+            return None, {}  # the trainer's log-probs (at the temperature) and the engines' are not comparable
+        proximal = fwd.raw_old_logprobs if fwd.raw_old_logprobs is not None else fwd.old_logprobs
+        weights, stats = truncated_is_weights(proximal, shard.rollout_logprobs, shard.batch.response_mask, a.tis_cap)
+        return (weights if self.correction == "tis" else None), stats
 
     def _advantages(self, shard: Shard, fwd: Forwards):
         """Per-token advantages (and returns, for the critic) from the algorithm's registered estimator, and the
@@ -268,22 +272,54 @@ class Trainer:
         return adv, returns, kl_tok
 
     def _sync_weights(self, step: int, payload: dict) -> dict:
-        """Every rank joins the gather of the updated actor; rank 0 pushes it to the rollout servers."""
+        """Every rank joins the gather of the updated actor; rank 0 hands it to the pipeline, which pushes it to
+        the rollout servers now (synchronous) or once the batches of older versions are generated (async)."""
         self.policy_version = step + 1
         sd = gather_state_dict(self.actor)
+        every = self.cfg.trainer.check_sync_every
+        probe = self._sync_probe(payload) if every and (step + 1) % every == 0 else None
         sync = {}
         if self.dist.is_main:
-            try:
-                sync = self.client.push_weights(list(sd.items()), version=self.policy_version)
-            except RolloutError as e:
-                # The update itself is done: keep it. The next step's generate stops the run (after a
-                # checkpoint) if no server is left, or names the version lag if one missed this push.
-                log.error("step %d: weight push failed: %s", step + 1, e)
+            sync = self.pipeline.push(list(sd.items()), self.policy_version, probe)
         del sd
-        every = self.cfg.trainer.check_sync_every
-        if every and (step + 1) % every == 0:
-            sync["max_diff"] = self._check_sync(payload["prompts"][0], payload["responses"][0])
         return sync
+
+    def _push_weights(self, named: list, version: int, probe: tuple | None) -> dict:
+        """Rank 0 (the pipeline calls it): push one version; then, with a probe, check the servers serve it."""
+        try:
+            sync = self.client.push_weights(named, version=version)
+        except RolloutError as e:
+            # The update itself is done: keep it. The next batch stops the run (after a checkpoint) if no
+            # server is left, or names the version lag if one missed this push.
+            log.error("weight push of version %d failed: %s", version, e)
+            return {}
+        if probe is not None:
+            sync["max_diff"] = self._compare_with_servers(probe, version)
+        return sync
+
+    def _sync_probe(self, payload: dict) -> tuple | None:
+        """(prompt, response, the updated actor's log-probs of it) of the batch's first sample (collective)."""
+        prompt, response = payload["prompts"][0], payload["responses"][0]
+        if not response:
+            return None
+        probe = pack([prompt], [response], self.tokenizer.pad_token_id).to(self.dist.device)
+        with torch.no_grad():
+            self.actor.eval()
+            mine, _ = policy_forward(self.actor, probe)
+        return (prompt, response, mine[0, :len(response)].cpu()) if self.dist.is_main else None
+
+    def _compare_with_servers(self, probe: tuple, version: int) -> float:
+        """Max |log-prob difference| between the actor and the rollout servers on the probe; TrainingError beyond
+        trainer.sync_tolerance (the servers did not load what was pushed)."""
+        prompt, response, mine = probe
+        theirs = self.client.logprobs([prompt + response], [len(prompt)])[0]
+        diff = float((mine - torch.tensor(theirs)).abs().max())
+        if not math.isfinite(diff) or diff > self.cfg.trainer.sync_tolerance:
+            raise TrainingError(f"weight sync check failed at policy version {version}: the rollout "
+                                f"servers' log-probs differ from the actor's by {diff:.2e} (> trainer.sync_tolerance "
+                                f"{self.cfg.trainer.sync_tolerance}); the servers did not load the pushed weights "
+                                "(see logs/rollout-*.log)")
+        return diff
 
     def _step_metrics(self, step: int, payload: dict, shard: Shard, kl_tok, stats: dict, sync: dict,
                       timings: dict, t_start: float) -> dict:
@@ -292,41 +328,29 @@ class Trainer:
         mask = shard.batch.response_mask
         kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.ref else 0.0) / dist.world_size
         self.kl_ctl.update(kl_mean, cfg.samples_per_step)
-        metrics = {k: all_reduce_scalar(v) / dist.world_size for k, v in stats.items()}
+        # Maxima stay maxima over the ranks; everything else is the ranks' mean.
+        metrics = {k: all_reduce_scalar(v, "max") if k.endswith("_max") else all_reduce_scalar(v) / dist.world_size
+                   for k, v in sorted(stats.items())}
         if not dist.is_main:
             return {}
+        t_end = time.time()
+        lag = [step - v for v in payload["versions"]]  # the trainer held version `step` when the step began
         m = dict(payload["stats"])
         m.update(metrics)
         m.update({"kl": kl_mean, "kl_coef": self.kl_ctl.value, **timings, "sync_bytes": sync.get("bytes", 0),
-                  "sync_max_diff": sync.get("max_diff"), "step_seconds": time.time() - t_start,
-                  "policy_version": self.policy_version})
+                  "sync_max_diff": sync.get("max_diff"), "push_seconds": sync.get("seconds"),
+                  "rollout_idle_seconds": self.pipeline.idle_seconds(t_start, t_end),
+                  "policy_lag_mean": sum(lag) / len(lag), "policy_lag_max": max(lag),
+                  "step_seconds": t_end - t_start, "policy_version": self.policy_version})
         if debug:
-            log.debug("step %d timings: generate %.2fs, reward %.2fs, no-grad forwards %.2fs, update %.2fs, "
-                      "weight sync %.2fs (%s, %d bytes), total %.2fs", step + 1, m["gen_seconds"], m["reward_seconds"],
-                      m["forward_seconds"], m["update_seconds"], m["sync_seconds"], sync.get("transport", "-"),
-                      sync.get("bytes", 0), m["step_seconds"])
+            log.debug("step %d timings: waited for the batch %.2fs (generate %.2fs, reward %.2fs), no-grad forwards "
+                      "%.2fs, update %.2fs, weight sync %.2fs (%s, %d bytes), rollout idle %.2fs, total %.2fs",
+                      step + 1, m["trainer_wait_seconds"], m["gen_seconds"], m["reward_seconds"], m["forward_seconds"],
+                      m["update_seconds"], m["sync_seconds"], sync.get("transport", "-"), sync.get("bytes", 0),
+                      m["rollout_idle_seconds"], m["step_seconds"])
         return m
 
-    def _check_sync(self, prompt: list[int], response: list[int]) -> float | None:
-        """Max |log-prob difference| between the actor and the rollout servers on one sample (collective)."""
-        if not response:
-            return None
-        probe = pack([prompt], [response], self.tokenizer.pad_token_id).to(self.dist.device)
-        with torch.no_grad():
-            self.actor.eval()
-            mine, _ = policy_forward(self.actor, probe)
-        if not self.dist.is_main:
-            return None
-        theirs = self.client.logprobs([prompt + response], [len(prompt)])[0]
-        diff = float((mine[0, :len(response)].cpu() - torch.tensor(theirs)).abs().max())
-        if not math.isfinite(diff) or diff > self.cfg.trainer.sync_tolerance:
-            raise TrainingError(f"weight sync check failed at policy version {self.policy_version}: the rollout "
-                                f"servers' log-probs differ from the actor's by {diff:.2e} (> trainer.sync_tolerance "
-                                f"{self.cfg.trainer.sync_tolerance}); the servers did not load the pushed weights "
-                                "(see logs/rollout-*.log)")
-        return diff
-
-    def _update(self, batch: Batch, fwd: Forwards, adv, returns) -> dict:
+    def _update(self, batch: Batch, fwd: Forwards, adv, returns, is_weights=None) -> dict:
         """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped."""
         cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
         old_lp, ref_lp, old_values = fwd.old_logprobs, fwd.ref_logprobs, fwd.values
@@ -352,7 +376,8 @@ class Trainer:
                     mask = mb.response_mask
                     logp, ent = policy_forward(self.actor, mb, cfg.rollout.temperature, with_entropy=True)
                     loss, st = actor_loss(logp, ent, old_lp[idx], ref_lp[idx] if use_kl_loss else None, adv[idx],
-                                          mask, a, self.kl_ctl.value)
+                                          mask, a, self.kl_ctl.value,
+                                          is_weights[idx] if is_weights is not None else None)
                     # A non-finite loss still goes through backward: its NaN gradient norm makes DeepSpeed
                     # discard the optimizer step on every rank alike (was_step_applied() is False).
                     self.actor.backward(loss)
@@ -391,7 +416,7 @@ class Trainer:
             # The servers start from the initial weights: give them the resumed policy first.
             sd = gather_state_dict(self.actor)
             if dist.is_main:
-                self.client.push_weights(list(sd.items()), version=self.policy_version)
+                self.pipeline.push(list(sd.items()), self.policy_version)
             del sd
         while self.step < total:
             step = self.step
@@ -405,6 +430,11 @@ class Trainer:
                     raise RolloutError(f"step {step + 1}: no rollout server answered; checkpoint of step "
                                        f"{self.step} kept, resume with `hpc-rl run JOB --resume RUN`: {e}") from None
                 return  # the other ranks stop quietly; rank 0 reports
+            except _FatalStop as e:
+                if dist.is_main:
+                    self.pipeline.close()
+                    raise TrainingError(str(e)) from None
+                return
             self.step = step + 1
             nonfinite = all_reduce_scalar(1.0 if self._skipped_this_step else 0.0, "max") > 0
             self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
@@ -433,6 +463,7 @@ class Trainer:
                                 "(it resumes from this step)", self.step)
                 break
         if dist.is_main:
+            self.pipeline.close()  # its worker may be pushing: it finishes that push first
             self.client.close()  # leaves the weight-sync group before the servers see done.json
             if not self.preempted:
                 write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
@@ -441,10 +472,14 @@ class Trainer:
     def save_checkpoint(self) -> None:
         t0 = time.time()
         hf_sd = gather_state_dict(self.actor) if self.cfg.checkpoint.save_hf else None
-        state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(),
-                 "reward_shaper": self.shaper.state_dict() if self.dist.is_main else None,
+        pending, shaper = None, None
+        if self.dist.is_main:
+            # Batches generated ahead (async) belong to the checkpoint, and the reward shaper's state after them.
+            pending = self.pipeline.pending(self.step)
+            shaper = pending[-1]["shaper_state"] if pending else self.maker.shaper.state_dict()
+        state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": shaper,
                  "seed": self.cfg.seed}
         path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
-                               self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank)
+                               self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank, pending)
         if self.dist.is_main:
             log.info("checkpoint %s written in %.1fs", path, time.time() - t0)

@@ -1,0 +1,81 @@
+"""Rank 0's experience source: a step's prompts -> samples from the rollout servers -> rewards -> the batch."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+
+from ..config import JobConfig
+from ..data.datasets import PromptDataset
+from ..data.sampler import indices_for_step
+from ..rewards.base import RewardShaper, compute_rewards, load_reward_fn
+from ..rollout.client import RolloutClient
+from ..rollout.engine import SamplingParams
+
+log = logging.getLogger("hpc_rl")
+debug = os.environ.get("HPC_RL_DEBUG") == "1"
+
+
+class BatchMaker:
+    """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
+
+    def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient):
+        self.cfg, self.tokenizer, self.client = cfg, tokenizer, client
+        self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
+        self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.shaper = RewardShaper(cfg.reward)
+        self.stop_ids = sorted({tokenizer.eos_token_id, *self._single_token_stops()})
+
+    def _single_token_stops(self) -> list[int]:
+        ids = []
+        for s in self.cfg.rollout.stop:
+            toks = self.tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(toks) == 1:
+                ids.append(toks[0])
+        return ids
+
+    def make(self, step: int) -> dict:
+        """The batch of `step`: token ids, the engine's log-probs and policy version per sample, shaped scores,
+        and stats; `shaper_state` is the reward shaper's state right after this batch (for checkpoints)."""
+        cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
+        ds = self.dataset
+        idx = indices_for_step(len(ds), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
+        params = SamplingParams(n=a.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
+                                seed=(cfg.seed * 1_000_003 + step) % (2**31))
+        t0 = time.time()
+        res = self.client.generate([ds.token_ids[i] for i in idx], params, step=step)
+        gen_s = time.time() - t0
+        prompt_ids, resp_ids, texts, rows, rollout_lp, versions = [], [], [], [], [], []
+        for i, samples, version in zip(idx, res.outputs, res.policy_versions):
+            for s in samples:
+                prompt_ids.append(ds.token_ids[i])
+                resp_ids.append(list(s.token_ids))
+                rollout_lp.append(list(s.logprobs))
+                versions.append(int(version))
+                texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                rows.append(ds.rows[i])
+        t1 = time.time()
+        scores = compute_rewards(self.reward_fn, cfg.reward, [ds.texts[i] for i in idx for _ in range(a.group_size)],
+                                 texts, rows)
+        shaped = self.shaper(scores)
+        reward_s = time.time() - t1
+        gen_tokens = sum(len(x) for x in resp_ids)
+        stats = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
+                 "reward_max": float(scores.max()), "response_len": gen_tokens / len(resp_ids),
+                 "gen_seconds": gen_s, "reward_seconds": reward_s,
+                 "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+                 "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],
+                 # Names the exact samples (token ids) in one string: two runs agree on it iff they generated
+                 # the same tokens (how resume and reproducibility are checked).
+                 "samples_sha1": hashlib.sha1(json.dumps(resp_ids).encode()).hexdigest()[:16]}
+        if debug:
+            log.debug("step %d: %d prompts x %d samples by policy version %s, response tokens %d, sample: %r -> %r "
+                      "(%.2f)", step + 1, len(idx), a.group_size, sorted(set(versions)), gen_tokens,
+                      ds.texts[idx[0]], texts[0], scores[0])
+        return {"step": step, "prompts": prompt_ids, "responses": resp_ids, "rollout_logprobs": rollout_lp,
+                "versions": versions, "scores": shaped.tolist(), "stats": stats,
+                "shaper_state": self.shaper.state_dict()}
