@@ -46,7 +46,7 @@ def test_one_line_per_step_from_rank_0(short_run):
     _, _, r = short_run
     lines = [ln for ln in r.stdout.splitlines() if " step " in ln and "/4 |" in ln]
     assert len(lines) == 4, r.stdout
-    for key in ("reward", "kl", "pg_loss", "entropy", "grad", "s/step", "gen tok/s"):
+    for key in ("reward", "kl", "pg_loss", "entropy", "grad", "s/step", "wait s", "rollout idle s", "gen tok/s"):
         assert key in lines[0]
     assert "[rank 1]" not in r.stdout
 
