@@ -169,3 +169,41 @@ def test_kv_cache_bytes_from_the_job(tmp_path):
     assert kv_cache_bytes(cfg, "cuda", "float32") == kv_cache_bytes(cfg, "cpu", "float32") == 12345678
     cfg.rollout.kv_cache_bytes = 0  # 0: vLLM's fraction everywhere
     assert kv_cache_bytes(cfg, "cpu", "float32") is None
+
+
+def test_weight_gate_load_waits_for_running_generations_and_holds_new_ones_back():
+    """Generations (on an event loop) overlap each other; a load (from a thread) starts only once the running
+    ones are done, and a generation that arrives meanwhile starts after the load: each sees one version."""
+    import asyncio
+    import threading
+    import time
+
+    from hpc_rl.rollout.server import WeightGate
+
+    gate, state, seen = WeightGate(), {"version": 0}, []
+
+    async def generation(hold_s: float):
+        async with gate.generating():
+            v0 = state["version"]
+            await asyncio.sleep(hold_s)
+            seen.append((v0, state["version"]))
+
+    def load():
+        with gate.loading():
+            state["version"] = 1
+            time.sleep(0.2)
+            state["version"] = 2
+
+    async def main():
+        first = asyncio.gather(generation(0.3), generation(0.3))
+        await asyncio.sleep(0.05)  # both generations are running
+        loader = threading.Thread(target=load)
+        loader.start()
+        while not gate._loading and loader.is_alive():  # the load has announced itself (or is already done)
+            await asyncio.sleep(0.001)
+        await generation(0.0)
+        await first
+        loader.join()
+
+    asyncio.run(main())
+    assert sorted(seen) == [(0, 0), (0, 0), (2, 2)]  # never a version that changed under a generation

@@ -2,12 +2,14 @@
 
 The token and the body size are checked by an ASGI guard from the headers alone, before the app reads a byte
 of the body (401/411/413 cost nothing, and a multi-GB weight push without the token is never received).
-Handlers are async; the engine calls they make hold the service's lock, so they run in the thread pool and
-/health keeps answering while a generation runs.
+Handlers are async. Generation and log-prob endpoints await the engine (on its own event loop for vLLM, where
+the server then serves; in a worker thread for the HF engine); weight loads and the weight-sync routes block, so
+they run in the thread pool. /health keeps answering while either runs.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -132,15 +134,15 @@ def make_router(service) -> APIRouter:
 
     @r.post("/generate")
     async def generate(request: Request):
-        return json_response(await call(service.generate, await _json_body(request)))
+        return json_response(await service.generate(await _json_body(request)))
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        return json_response(await call(service.completions, await _json_body(request)))
+        return json_response(await service.completions(await _json_body(request)))
 
     @r.post("/logprobs")
     async def logprobs(request: Request):
-        return json_response(await call(service.logprobs, await _json_body(request)))
+        return json_response(await service.logprobs(await _json_body(request)))
 
     @r.post("/weights/load_file")
     async def load_file(request: Request):
@@ -192,10 +194,12 @@ def make_app(service, token: str) -> Guard:
 
 class HttpServer:
     """uvicorn on a socket bound up front (port 0: a free one, known before serving); the stdlib server's
-    serve_forever / shutdown / server_close / server_address, so callers run it in a thread alike."""
+    serve_forever / shutdown / server_close / server_address, so callers run it in a thread alike. With `loop`
+    (a running event loop, e.g. the vLLM engine's) uvicorn serves on that loop instead of one of its own."""
 
-    def __init__(self, app, sock: socket.socket):
+    def __init__(self, app, sock: socket.socket, loop: asyncio.AbstractEventLoop | None = None):
         self._sock = sock
+        self._loop = loop
         self.server_address = sock.getsockname()[:2]
         debug = os.environ.get("HPC_RL_DEBUG") == "1"
         config = uvicorn.Config(app, log_config=None, log_level="debug" if debug else "warning", access_log=debug,
@@ -205,7 +209,10 @@ class HttpServer:
 
     def serve_forever(self) -> None:
         try:
-            self._server.run(sockets=[self._sock])
+            if self._loop is None:
+                self._server.run(sockets=[self._sock])
+            else:
+                asyncio.run_coroutine_threadsafe(self._server.serve(sockets=[self._sock]), self._loop).result()
         finally:
             self._done.set()
 

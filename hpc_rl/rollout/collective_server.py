@@ -141,8 +141,8 @@ def register_server_routes(service) -> None:
 
     The server checks the token and size limits and maps CollectiveError to a one-line 400. join and
     update answer at once; the work runs in a thread and GET /collective/status reports
-    {joined, busy, error, version, seconds}. An update loads while holding `service.engine_lock` (no
-    generation sees half-updated weights) and sets the policy version under the same lock.
+    {joined, busy, error, version, seconds}. An update loads inside `service.weight_gate.loading()` (no
+    generation sees half-updated weights) and sets the policy version before generations resume.
     """
     engine = service.engine
     target = engine if hasattr(engine, "collective_join") else LocalCollective(engine, device=_engine_device(engine))
@@ -186,7 +186,7 @@ def register_server_routes(service) -> None:
 
         def receive() -> float:
             # Running generations finish first; none starts until the new weights and version are in.
-            with service.engine_lock:
+            with service.weight_gate.loading():
                 secs = target.collective_receive(version, plan)
                 service.policy_version = version
             service.count("weight_updates")

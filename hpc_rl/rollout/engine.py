@@ -8,6 +8,7 @@ against `param_specs()`; engines cast to their own dtype on load.
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -49,6 +50,9 @@ class Engine(abc.ABC):
     """A model that samples completions and can swap its weights in place."""
 
     name: str = "engine"
+    # The event loop the engine itself runs on (vLLM's AsyncLLM), or None. The rollout server serves HTTP on
+    # that loop, so that its endpoints await the engine directly.
+    loop: asyncio.AbstractEventLoop | None = None
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
@@ -57,6 +61,14 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
+
+    async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        """generate for a caller on an event loop; engines without a loop of their own compute in a worker thread."""
+        return await asyncio.to_thread(self.generate, prompt_token_ids, params)
+
+    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        """prompt_logprobs for a caller on an event loop (as generate_async)."""
+        return await asyncio.to_thread(self.prompt_logprobs, token_ids, prompt_lens)
 
     @abc.abstractmethod
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import torch
 
@@ -83,13 +84,19 @@ class HFEngine(Engine):
         pad = gc.pad_token_id if gc.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._params = dict(self.model.state_dict())
+        # One computation at a time: concurrent requests would split the engine's threads between them.
+        self._lock = threading.Lock()
         log.info("hf engine: %s on %s, dtype %s, attention %s, threads %s", cfg.model.path, self.device,
                  dtype, attn, torch.get_num_threads())
 
     # ------------------------------------------------------------------ generation
 
-    @torch.inference_mode()
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        with self._lock:
+            return self._generate(prompt_token_ids, params)
+
+    @torch.inference_mode()
+    def _generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
         n = params.n
         rows = [p for p in prompt_token_ids for _ in range(n)]
         if not rows:
@@ -153,8 +160,12 @@ class HFEngine(Engine):
             results[-1].append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason))
         return results
 
-    @torch.inference_mode()
     def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        with self._lock:
+            return self._prompt_logprobs(token_ids, prompt_lens)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         if not token_ids:
             return []
         b = len(token_ids)
@@ -178,9 +189,10 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        for name, t in named_tensors:
-            dst = self._params[name]
-            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+        with self._lock:
+            for name, t in named_tensors:
+                dst = self._params[name]
+                dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
 
     def close(self) -> None:
         self.model = None

@@ -10,6 +10,8 @@ holds the service behind it (engine, policy version, staged weight buckets, coun
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -42,8 +44,50 @@ DONE_POLL_S = 2.0
 # --------------------------------------------------------------------------- the service (no HTTP)
 
 
+class WeightGate:
+    """Generations run side by side on the engine; a weight load waits for the running ones and holds new ones
+    back, so that no request sees half-updated weights and each reports the one version that produced it.
+
+    Generations enter from the event loop (`generating`, awaited), loads from worker threads (`loading`)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._active = 0
+        self._loading = False
+
+    @contextlib.asynccontextmanager
+    async def generating(self):
+        while True:
+            with self._cond:  # held for a moment only: the event loop never blocks on a load
+                if not self._loading:
+                    self._active += 1
+                    break
+            await asyncio.sleep(0.005)
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def loading(self):
+        with self._cond:
+            while self._loading:
+                self._cond.wait()
+            self._loading = True
+            while self._active:
+                self._cond.wait()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._loading = False
+                self._cond.notify_all()
+
+
 class RolloutService:
-    """Engine + policy version + staged weight buckets + counters; every engine call holds one lock."""
+    """Engine + policy version + staged weight buckets + counters; generations and weight loads pass one gate."""
 
     def __init__(self, engine: Engine, run: RunDir, model_path: str, max_model_len: int, vocab: int | None,
                  trust_remote_code: bool = False):
@@ -56,8 +100,7 @@ class RolloutService:
         self.max_model_len = max_model_len
         self.vocab = vocab
         self.policy_version = 0
-        # One lock for generation, scoring and weight loads: a request never sees half-updated weights.
-        self.engine_lock = threading.Lock()
+        self.weight_gate = WeightGate()
         self._stage_lock = threading.Lock()
         self._staged_version: int | None = None
         self._staged: dict[int, list] = {}
@@ -75,7 +118,7 @@ class RolloutService:
 
     def set_policy_version(self, version: int) -> None:
         """For weight transports that load outside this class; waits for running generations."""
-        with self.engine_lock:
+        with self.weight_gate.loading():
             self.policy_version = int(version)
 
     def count(self, key: str, inc: float = 1) -> None:
@@ -93,11 +136,11 @@ class RolloutService:
                    uptime_s=round(time.time() - self.started, 3))
         return out
 
-    def generate(self, body) -> dict:
+    async def generate(self, body) -> dict:
         prompts, params = protocol.parse_generate(body, self.vocab, self.max_model_len)
-        with self.engine_lock:
+        async with self.weight_gate.generating():
             t0 = time.perf_counter()
-            outputs = self.engine.generate(prompts, params)
+            outputs = await self.engine.generate_async(prompts, params)
             dt = time.perf_counter() - t0
             version = self.policy_version
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
@@ -117,15 +160,15 @@ class RolloutService:
                 self._tokenizer = load_tokenizer(self.model_path, self.trust_remote_code)
             return self._tokenizer
 
-    def completions(self, body) -> dict:
+    async def completions(self, body) -> dict:
         """OpenAI-compatible text completion (non-streaming) for people poking a running server."""
-        tok = self.tokenizer()
+        tok = await asyncio.to_thread(self.tokenizer)
         prompts, params, want_lp = protocol.parse_completions(
             body, lambda text: tok(text, add_special_tokens=False)["input_ids"], self.vocab, self.max_model_len)
         if tok.eos_token_id is not None:
             params.stop_token_ids = [tok.eos_token_id]
-        with self.engine_lock:
-            outputs = self.engine.generate(prompts, params)
+        async with self.weight_gate.generating():
+            outputs = await self.engine.generate_async(prompts, params)
             version = self.policy_version
         choices, ntok = [], 0
         for row in outputs:
@@ -146,15 +189,15 @@ class RolloutService:
                 "model": self.model_path, "choices": choices, "policy_version": version,
                 "usage": {"prompt_tokens": nprompt, "completion_tokens": ntok, "total_tokens": nprompt + ntok}}
 
-    def logprobs(self, body) -> dict:
+    async def logprobs(self, body) -> dict:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
-        with self.engine_lock:
-            lps = self.engine.prompt_logprobs(toks, lens)
+        async with self.weight_gate.generating():
+            lps = await self.engine.prompt_logprobs_async(toks, lens)
             version = self.policy_version
         return {"policy_version": version, "logprobs": lps}
 
     def _swap(self, named: list, version: int) -> None:
-        with self.engine_lock:
+        with self.weight_gate.loading():
             self.engine.load_weights(named)
             self.engine.reset_cache()
             self.policy_version = version
@@ -210,7 +253,8 @@ def make_http_server(service: RolloutService, token: str, host: str, port: int) 
     except OSError as e:
         raise HpcRlError(f"rollout.host/rollout.port: cannot bind {host}:{port} ({e.strerror}); choose a free "
                          "port (0 picks one) and an address of this node (0.0.0.0 = all interfaces)") from None
-    return HttpServer(make_app(service, token), sock)
+    # On the engine's own event loop where it has one (vLLM): the endpoints then await it directly.
+    return HttpServer(make_app(service, token), sock, loop=service.engine.loop)
 
 
 def _model_vocab(path: str) -> int | None:
