@@ -23,6 +23,8 @@ from hpc_rl.rundir import RunDir
 from hpc_rl.train import checkpoint
 from hpc_rl.train.experience import pack, policy_forward
 
+from .local_run import poll, procs_of
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
 STEPS, N = 8, 2
@@ -38,31 +40,6 @@ def _start(cwd: Path, log: Path, *extra: str) -> subprocess.Popen:
                             env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
 
 
-def _wait_for(what: str, fn, proc: subprocess.Popen, log: Path, timeout: float = 300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = fn()
-        if v:
-            return v
-        if proc.poll() is not None:
-            pytest.fail(f"run exited ({proc.returncode}) while waiting for {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(0.05)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{log.read_text()[-3000:]}")
-
-
-def _pids(run_root: Path, module: str) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if module in cmd and str(run_root) in cmd:
-                out.append(int(d.name))
-    return out
-
-
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     """The uninterrupted run; its trainer ranks pinned to the first core, its server to the last."""
@@ -70,10 +47,10 @@ def straight(tmp_path_factory):
     log = cwd / "run.log"
     pin = [f"trainer.local_cpus=[{CORES[0]}]", f"rollout.local_cpus=[{CORES[-1]}]"]
     proc = _start(cwd, log, *pin)
-    found = _wait_for("the run dir", lambda: list((cwd / "runs").glob("*/job.yaml")), proc, log)
+    found = poll("the run dir", lambda: list((cwd / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
-    servers = _wait_for("the rollout server", lambda: _pids(run.root, "hpc_rl.rollout.server"), proc, log)
-    ranks = _wait_for("the trainer ranks", lambda: _pids(run.root, "hpc_rl.train.main"), proc, log)
+    servers = poll("the rollout server", lambda: procs_of(run.root, "hpc_rl.rollout.server"), 300, proc, log)
+    ranks = poll("the trainer ranks", lambda: procs_of(run.root, "hpc_rl.train.main"), 300, proc, log)
     affinity = {"server": [os.sched_getaffinity(p) for p in servers], "ranks": [os.sched_getaffinity(p) for p in ranks]}
     assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
     return run, read_metrics(run.metrics), affinity
@@ -138,19 +115,19 @@ def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straigh
     _, rows_straight, _ = straight
     log = tmp_path / "a0.log"
     proc = _start(tmp_path, log)
-    found = _wait_for("the run dir", lambda: list((tmp_path / "runs").glob("*/job.yaml")), proc, log)
+    found = poll("the run dir", lambda: list((tmp_path / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
-    _wait_for("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), proc, log)
+    poll("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     deadline = time.time() + 15
-    while (_pids(run.root, "hpc_rl.") and time.time() < deadline):
+    while (procs_of(run.root, "hpc_rl.") and time.time() < deadline):
         time.sleep(0.2)
 
     log = tmp_path / "a1.log"
     proc = _start(tmp_path, log, "--resume", str(run.root))
-    _wait_for("step 6", lambda: re.search(rf"step 6/{STEPS} ", log.read_text(errors="replace")), proc, log)
-    for pid in _pids(run.root, "hpc_rl.train.main"):  # what Slurm does before a preemption
+    poll("step 6", lambda: re.search(rf"step 6/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
+    for pid in procs_of(run.root, "hpc_rl.train.main"):  # what Slurm does before a preemption
         os.kill(pid, signal.SIGUSR2)
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text(errors="replace")

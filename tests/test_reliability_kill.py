@@ -20,6 +20,8 @@ from hpc_rl.metrics import read_metrics
 from hpc_rl.rundir import RunDir
 from hpc_rl.train import checkpoint
 
+from .local_run import poll, procs_of
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
 STEPS = 24
@@ -37,35 +39,6 @@ def _start(cwd: Path, log: Path, resume: Path | None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(args, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
-
-
-def _poll(what: str, fn, timeout: float, proc: subprocess.Popen, log: Path, every: float = 0.05):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        v = fn()
-        if v:
-            return v
-        if proc.poll() is not None:
-            pytest.fail(f"run exited ({proc.returncode}) while waiting for {what}:\n{log.read_text()[-3000:]}")
-        time.sleep(every)
-    pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}:\n{log.read_text()[-3000:]}")
-
-
-def _procs_of(run_root: Path) -> list[int]:
-    """Pids whose command line names the run dir (launcher, trainer ranks, rollout servers)."""
-    me = os.getpid()
-    pids = []
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit() or int(d.name) == me:
-            continue
-        try:
-            cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")
-            state = (d / "stat").read_text().split(")")[-1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and str(run_root).encode() in cmd:
-            pids.append(int(d.name))
-    return pids
 
 
 def _last_metrics_step(run: RunDir) -> int:
@@ -100,17 +73,17 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
         proc = _start(tmp_path, log, run.root if run else None)
         t0 = time.time()
         if run is None:
-            found = _poll("the run dir", lambda: [d for d in (tmp_path / "runs").glob("*/job.yaml")], 120, proc, log)
+            found = poll("the run dir", lambda: [d for d in (tmp_path / "runs").glob("*/job.yaml")], 120, proc, log)
             run = RunDir(found[0].parent)
         if mode == "startup":
             time.sleep(rng.uniform(1.0, 15.0))
         elif mode == "checkpoint":
             # A killed save leaves its .tmp behind until the next save replaces it: wait for a new one.
             stale = _tmp_dirs(run)
-            _poll("a checkpoint being written", lambda run=run, stale=stale: _tmp_dirs(run) - stale, 300, proc, log, every=0.005)
+            poll("a checkpoint being written", lambda run=run, stale=stale: _tmp_dirs(run) - stale, 300, proc, log, every=0.005)
         else:
             pat = re.compile(rf"step {before + 1}/{STEPS} ")
-            _poll(f"step {before + 1}", lambda pat=pat, log=log: pat.search(log.read_text(errors="replace")), 300, proc, log)
+            poll(f"step {before + 1}", lambda pat=pat, log=log: pat.search(log.read_text(errors="replace")), 300, proc, log)
             time.sleep(rng.uniform(0.0, 1.0))
         assert proc.poll() is None, f"attempt {i} ended before its kill:\n{log.read_text()[-3000:]}"
         os.killpg(proc.pid, signal.SIGKILL)
@@ -119,9 +92,9 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
 
         # Ranks and rollout servers die with the launcher (they run in sessions of their own).
         deadline = time.time() + 15
-        while _procs_of(run.root) and time.time() < deadline:
+        while procs_of(run.root) and time.time() < deadline:
             time.sleep(0.2)
-        assert _procs_of(run.root) == [], f"orphans after kill {i} ({mode})"
+        assert procs_of(run.root) == [], f"orphans after kill {i} ({mode})"
 
         # At most one step of work lost: the newest complete checkpoint is at most one step behind the
         # last step that finished (its metrics row is written just before its checkpoint).
@@ -142,7 +115,7 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
     log = tmp_path / "final.log"
     proc = _start(tmp_path, log, run.root)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
-    assert _procs_of(run.root) == []
+    assert procs_of(run.root) == []
     rows = read_metrics(run.metrics)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     cfg = config.load(run.job_yaml)
