@@ -16,6 +16,13 @@ pytestmark = pytest.mark.slow
 def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    from hpc_rl.train.distributed import shutdown_distributed
+
+    _train_one_step(rank, world, model_dir, out_dir)
+    shutdown_distributed()  # as hpc_rl.train.main does, once the engines are out of scope
+
+
+def _train_one_step(rank: int, world: int, model_dir: str, out_dir: str) -> None:
     from hpc_rl.train.distributed import init_distributed
     from hpc_rl.train.engines import build_actor, build_critic, gather_state_dict
     from hpc_rl.train.experience import pack, policy_forward, value_forward
@@ -44,7 +51,6 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
         result["n_params"] = len(before)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    torch.distributed.destroy_process_group()
 
 
 def test_two_ranks_hold_half_of_every_parameter(tiny_model, tmp_path):

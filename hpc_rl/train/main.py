@@ -33,12 +33,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run = RunDir(os.path.abspath(args.run_dir))
         cfg = config.load(run.job_yaml)
-        dist = init_distributed(cfg)
-        trainer = Trainer(cfg, run, dist)
-        trainer.resume_if_possible()
-        trainer.connect_rollout()
-        trainer.fit()
-        shutdown_distributed()  # every rank leaves fit() after the same last collective
+        _train(cfg, run, init_distributed(cfg), Trainer)
+        shutdown_distributed()  # every rank left fit() after the same last collective; its engines are out of scope
         return 0
     except HpcRlError as e:
         # The launcher prints rank 0's last line as the run's error.
@@ -47,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         log.error("rank %d crashed:\n%s", rank, traceback.format_exc())
         return 1
+
+
+def _train(cfg, run, dist, trainer_cls) -> None:
+    trainer = trainer_cls(cfg, run, dist)
+    trainer.resume_if_possible()
+    trainer.connect_rollout()
+    trainer.fit()
 
 
 if __name__ == "__main__":
