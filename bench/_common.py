@@ -21,6 +21,10 @@ sys.path.insert(0, str(REPO))
 # The toy model of jobs/toy-grpo-cpu.yaml, and a ~50M-parameter random-init one to see scaling.
 SMALL = {"arch": "qwen2", "hidden_size": 128, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2, "head_dim": 64,
          "intermediate_size": 256}
+# ~25M parameters (issue 14's variable-length workload): responses of a random-init model over the toy's 64-token
+# vocabulary end at a random <eos>, so their lengths spread up to max_new_tokens.
+MEDIUM = {"arch": "qwen2", "hidden_size": 512, "num_layers": 8, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
+          "intermediate_size": 1376}
 LARGE = {"arch": "qwen2", "hidden_size": 640, "num_layers": 10, "num_heads": 10, "num_kv_heads": 10, "head_dim": 64,
          "intermediate_size": 1728}
 
@@ -63,8 +67,9 @@ def hpc_rl_cmd() -> list[str]:
     return [str(exe)] if exe.exists() else [sys.executable, "-m", "hpc_rl.cli"]
 
 
-def run_hpc_rl(job: dict, work: Path, tag: str, timeout_s: float = 900) -> dict:
-    """Run `hpc-rl run` on `job`; returns end-to-end wall seconds, per-step seconds and the run's metrics."""
+def run_hpc_rl(job: dict, work: Path, tag: str, timeout_s: float = 900, overrides: list[str] | None = None) -> dict:
+    """Run `hpc-rl run` on `job` (plus dotted overrides); returns end-to-end wall seconds, per-step seconds and
+    the run's metrics."""
     work.mkdir(parents=True, exist_ok=True)
     job = dict(job, output_dir=str(work / f"runs-{tag}"))
     path = work / f"{tag}.yaml"
@@ -72,7 +77,7 @@ def run_hpc_rl(job: dict, work: Path, tag: str, timeout_s: float = 900) -> dict:
     log = work / f"{tag}.log"
     t0 = time.perf_counter()
     with open(log, "wb") as f:
-        p = subprocess.run(hpc_rl_cmd() + ["run", str(path)], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
+        p = subprocess.run(hpc_rl_cmd() + ["run", str(path), *(overrides or [])], stdout=f, stderr=subprocess.STDOUT, cwd=REPO,
                            timeout=timeout_s)
     wall = time.perf_counter() - t0
     if p.returncode != 0:

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     LARGE,
+    MEDIUM,
     REPO,
     SMALL,
     base_job,
@@ -36,11 +37,16 @@ from _common import (  # noqa: E402
     write_result,
 )
 
-# name, model shape, prompts/step, group, max new tokens, lr, steps, reps
+# name, model shape, prompts/step, group, max new tokens, lr, steps, reps; hpc-rl's layout (dotted overrides of
+# the toy GRPO job), see README "Fastest single-machine layout"
 CONFIGS = {
     "tiny": dict(model=SMALL, prompts=16, group=8, max_new=6, lr=3e-3, steps=8, reps=3),
     "50M": dict(model=LARGE, prompts=4, group=8, max_new=6, lr=1e-4, steps=4, reps=2),
+    # Issue 14's workload: ~25M parameters, responses of variable length up to 48 tokens.
+    "25M-var48": dict(model=MEDIUM, prompts=8, group=8, max_new=48, lr=1e-5, steps=6, reps=2),
 }
+# hpc-rl's fastest layout on one 2-core machine (README "Fastest single-machine layout").
+FAST_LAYOUT: list[str] = []
 
 
 def hpc_rl_side(c: dict, model_dir: Path, work: Path, tag: str) -> dict:
@@ -51,7 +57,8 @@ def hpc_rl_side(c: dict, model_dir: Path, work: Path, tag: str) -> dict:
     job["algorithm"]["group_size"] = c["group"]
     job["rollout"]["max_new_tokens"] = c["max_new"]
     job["checkpoint"] = {"every": 0}
-    r = run_hpc_rl(job, work, tag)
+    job["rollout"]["max_model_len"] = 16 + c["max_new"] + 8
+    r = run_hpc_rl(job, work, tag, overrides=c.get("layout", FAST_LAYOUT))
     resp = [m["response_len"] for m in r["metrics"]]
     return {"wall_s": r["wall_s"], "step_s": r["step_s"], "response_len": sum(resp) / len(resp)}
 
@@ -93,7 +100,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny model only, 1 repetition, 3 steps")
     ap.add_argument("--reps", type=int, help="repetitions per side (default per config: 3 tiny, 2 50M)")
-    ap.add_argument("--configs", default="tiny,50M", help="comma-separated: tiny,50M")
+    ap.add_argument("--configs", default="25M-var48,tiny,50M", help="comma-separated: " + ",".join(CONFIGS))
     ap.add_argument("--trl-vllm", action="store_true", help="also run TRL with vLLM colocate generation")
     ap.add_argument("--work", help="keep run dirs and logs here (default: a temp dir)")
     args = ap.parse_args()
@@ -142,6 +149,10 @@ def main() -> None:
     path = write_result("vs_trl", result)
     print(render(result))
     print(f"wrote {path.relative_to(REPO)} (run dirs and logs in {work})")
+    print(json.dumps({"ratio": {name: res["ratios"]["trl"]["steady_samples_per_s"]["median"]
+                                for name, res in result["configs"].items() if "trl" in res["ratios"]},
+                      "layout": FAST_LAYOUT, "load_avg": [result["machine_before"]["load_avg"][0],
+                                                          result["machine_after"]["load_avg"][0]]}))
 
 
 def render(result: dict) -> str:

@@ -202,7 +202,12 @@ class TrainerConfig:
     # Samples per optimizer step (over all ranks); must divide the samples per step.
     mini_batch_size: int = 64
     # Samples per forward/backward on one rank (gradient accumulation); 0: the whole per-rank mini-batch.
+    # Ignored when max_tokens_per_micro_batch is set.
     micro_batch_size: int = 0
+    # Token budget of one forward/backward on one rank (prompt + response tokens, padding included): samples
+    # are sorted by length and cut into micro-batches of about this many tokens (verl's dynamic batch size);
+    # 0: micro_batch_size samples each. Either way the loss is that of the whole mini-batch (algorithm.loss_agg).
+    max_tokens_per_micro_batch: int = 0
     # Actor learning rate (AdamW).
     lr: float = 1e-5
     # Critic learning rate; null: the same as lr.
@@ -638,6 +643,9 @@ def validate(cfg: JobConfig) -> JobConfig:
         need((t.mini_batch_size // world) % t.micro_batch_size == 0,
              f"trainer.micro_batch_size ({t.micro_batch_size}) must divide the per-rank mini-batch "
              f"({t.mini_batch_size // world})")
+    need(t.max_tokens_per_micro_batch >= 0,
+         f"trainer.max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples per micro-batch); "
+         f"got {t.max_tokens_per_micro_batch}")
     need(len(t.betas) == 2 and all(isinstance(b, (int, float)) for b in t.betas),
          "trainer.betas must be a list of two numbers, e.g. [0.9, 0.999]")
     need(r.nodes >= 0 and r.servers_per_node >= 1, "rollout.nodes must be >= 0 and rollout.servers_per_node >= 1")

@@ -11,7 +11,6 @@ from .utils import LOG_RATIO_CLAMP, masked_mean
 AGG_MODES = ("token_mean", "seq_mean")
 
 
-
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
     """Reduce a [B, T] loss to a scalar.
 
@@ -26,6 +25,22 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mea
         has_tokens = (mask.to(loss_mat.dtype) != 0).any(dim=-1).to(loss_mat.dtype)
         return masked_mean(per_seq, has_tokens)
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, mini_batch_mask: torch.Tensor, mode: str = "token_mean") -> float:
+    """The factor that turns a micro-batch's aggregate into its share of the mini-batch's aggregate.
+
+    token_mean: its valid tokens / the mini-batch's; seq_mean: its rows with tokens / the mini-batch's. The
+    weighted micro-batch losses then sum to the loss of the whole mini-batch however it is cut (as verl's
+    loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
+    """
+    if mode == "token_mean":
+        part, whole = micro_mask.sum(), mini_batch_mask.sum()
+    elif mode == "seq_mean":
+        part, whole = (micro_mask != 0).any(-1).sum(), (mini_batch_mask != 0).any(-1).sum()
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+    return float(part) / float(whole) if float(whole) > 0 else 0.0
 
 
 def _float(x: torch.Tensor) -> float:

@@ -72,11 +72,16 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
 def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
     """A token-classification model with one label: the value of every position."""
     import deepspeed
-    from transformers import AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
 
     ds = ds_config.render(cfg, world_size, device_kind)
     path = cfg.model.critic_path or cfg.model.path
-    model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, num_labels=1)
+    # transformers' token-classification head applies dropout 0.1 by default: in train mode the values of
+    # the update would be noisy copies of the (eval-mode) old values that value clipping compares them with.
+    check_model_dir(path)  # a one-line error for a missing or partial folder, before transformers reads it
+    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=cfg.model.trust_remote_code)
+    config.classifier_dropout = 0.0
+    model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, config=config)
     opt = _optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep

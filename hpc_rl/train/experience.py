@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..algos.losses import entropy_from_logits, logprobs_from_logits
+
+# fp32 bytes of logits that one chunk of the log-softmax/entropy computation works on: with Qwen2.5's 151,936-token
+# vocabulary that is ~55 tokens at a time, so the [tokens, vocab] temporaries stay small whatever the batch.
+LOGIT_CHUNK_BYTES = 32 * 2**20
 
 
 @dataclass
@@ -30,6 +36,15 @@ class Batch:
     def slice(self, idx) -> Batch:
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
                      self.response_mask[idx], self.prompt_len)
+
+    def trim(self) -> Batch:
+        """The same rows cut to their own longest prompt and response (less padding to compute)."""
+        P = self.prompt_len
+        p = max(1, int(self.attention_mask[:, :P].sum(-1).max()))
+        r = max(1, int(self.response_mask.sum(-1).max()))
+        cols = slice(P - p, P + r)
+        return Batch(self.input_ids[:, cols], self.attention_mask[:, cols], self.position_ids[:, cols],
+                     self.response_mask[:, :r], p)
 
     def to(self, device) -> Batch:
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
@@ -64,17 +79,107 @@ def pad_rows(rows: list[list[float]], width: int, fill: float = 0.0) -> torch.Te
 
 
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
-    """Log-probs [B, R] of the response tokens (and entropies) under `model` (a DeepSpeed engine or module)."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids,
-                use_cache=False)
-    P = batch.prompt_len
+    """Log-probs [B, R] of the response tokens (and entropies) under `model` (a DeepSpeed engine or module).
+
+    Memory-lean: the model computes the output layer on the response positions only (logits_to_keep), and
+    for the architectures of LEAN_HEAD_MODEL_TYPES the output layer itself works in chunks of LOGIT_CHUNK_BYTES
+    (logits, fp32 log-softmax, entropy), recomputed in the backward pass: no [B, R, vocab] tensor is ever
+    whole. Other models return their logits, and only the log-softmax runs in chunks.
+    """
+    P, R = batch.prompt_len, batch.responses.shape[1]
+    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
+              "position_ids": batch.position_ids, "use_cache": False}
+    if not _takes_logits_to_keep(model):
+        logits = model(**inputs).logits[:, P - 1:-1, :]
+        return token_logprobs(logits, batch.responses, temperature, with_entropy)
     # Logits at position t predict token t+1: response token j comes from position P-1+j.
-    logits = out.logits[:, P - 1:-1, :].float()
+    keep = torch.arange(P - 1, P + R - 1, device=batch.input_ids.device)
+    head = _lean_head(model)
+    if head is None:
+        return token_logprobs(model(**inputs, logits_to_keep=keep).logits, batch.responses, temperature, with_entropy)
+    # For this call only, the output layer returns log-probs; its parameter hooks (ZeRO-3 gathers) still run.
+    own_forward = head.__dict__.get("forward")
+    head.forward = lambda h: _chunked_head(h, head.weight, head.bias, batch.responses, temperature, with_entropy)
+    try:
+        out = model(**inputs, logits_to_keep=keep).logits  # [B, R, 2]: log-prob and entropy per token
+    finally:
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward
+    return out[..., 0], (out[..., 1] if with_entropy else None)
+
+
+# Causal LMs whose forward is `logits = self.lm_head(hidden_states[:, logits_to_keep])` with nothing applied
+# to the logits after it (no soft-capping or scaling), so the output layer may return log-probs instead.
+LEAN_HEAD_MODEL_TYPES = {"qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "llama", "mistral", "phi3", "olmo2"}
+
+
+def _lean_head(model) -> torch.nn.Linear | None:
+    module = getattr(model, "module", model)
+    head = getattr(module, "lm_head", None)
+    if getattr(module.config, "model_type", None) in LEAN_HEAD_MODEL_TYPES and isinstance(head, torch.nn.Linear):
+        return head
+    return None
+
+
+def _chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                  temperature: float, with_entropy: bool) -> torch.Tensor:
+    """The output layer and log-softmax over chunks of tokens: [B, R, H] -> [B, R, 2] (log-prob, entropy or 0)."""
+    B, R, H = hidden.shape
+    flat = hidden.reshape(B * R, H)
+    flat_labels = labels.reshape(B * R)
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    outs = []
+    for s in range(0, B * R, step):
+        args = (flat[s:s + step], weight, bias, flat_labels[s:s + step], temperature, with_entropy)
+        outs.append(checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args))
+    return torch.cat(outs).view(B, R, 2)
+
+
+def _head_chunk(h, weight, bias, labels, temperature, with_entropy):
+    lp, ent = _chunk_logprobs(torch.nn.functional.linear(h, weight, bias), labels, temperature, with_entropy)
+    return torch.stack([lp, ent if with_entropy else torch.zeros_like(lp)], -1)
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                   with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log softmax(logits / temperature)[labels] and the entropies, [B, R, V] -> [B, R], in fp32 chunks."""
+    B, R, V = logits.shape
+    step = max(1, LOGIT_CHUNK_BYTES // (4 * V))
+    # Recomputing a chunk in backward costs a softmax; it only pays where the whole would not fit a chunk.
+    recompute = torch.is_grad_enabled() and logits.requires_grad and B * R > step
+    lps, ents = [], []
+    for b in range(B):  # row by row: a row of the logits is contiguous whatever slicing made them
+        for s in range(0, R, step):
+            args = (logits[b, s:s + step], labels[b, s:s + step], temperature, with_entropy)
+            lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
+            lps.append(lp)
+            ents.append(ent)
+    logp = torch.cat(lps).view(B, R)
+    return logp, (torch.cat(ents).view(B, R) if with_entropy else None)
+
+
+def _chunk_logprobs(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    z = z.float()
     if temperature != 1.0:
-        logits = logits / temperature
-    logp = logprobs_from_logits(logits, batch.responses)
-    ent = entropy_from_logits(logits) if with_entropy else None
-    return logp, ent
+        z = z / temperature
+    lp = logprobs_from_logits(z, labels)
+    # Without entropy, a zero-size placeholder keeps checkpoint's outputs tensors.
+    return lp, (entropy_from_logits(z) if with_entropy else lp.new_zeros(0))
+
+
+_KEEP_ARG: dict[type, bool] = {}
+
+
+def _takes_logits_to_keep(model) -> bool:
+    """Whether the (wrapped) model's forward accepts logits_to_keep, as transformers' causal LMs do."""
+    module = getattr(model, "module", model)
+    cls = type(module)
+    if cls not in _KEEP_ARG:
+        _KEEP_ARG[cls] = "logits_to_keep" in inspect.signature(module.forward).parameters
+    return _KEEP_ARG[cls]
 
 
 def value_forward(critic, batch: Batch) -> torch.Tensor:
@@ -85,10 +190,14 @@ def value_forward(critic, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def batched_forward(fn, model, batch: Batch, micro: int, **kw) -> torch.Tensor:
-    """Apply a forward fn over micro-batches without gradients; concatenates the first output."""
-    outs = []
-    for s in range(0, batch.size, micro):
-        r = fn(model, batch.slice(slice(s, s + micro)), **kw)
-        outs.append(r[0] if isinstance(r, tuple) else r)
-    return torch.cat(outs, 0)
+def forward_micro_batches(fn, model, micro_batches, size: int, width: int, **kw) -> torch.Tensor:
+    """Apply a forward fn ([b, R'] output) over micro-batches without gradients; the outputs land in the rows
+    they came from of a [size, width] tensor (zeros beyond each micro-batch's width)."""
+    out = None
+    for mb in micro_batches:
+        r = fn(model, mb.batch, **kw)
+        r = r[0] if isinstance(r, tuple) else r
+        if out is None:
+            out = torch.zeros((size, width), dtype=r.dtype, device=r.device)
+        out[mb.rows, :r.shape[1]] = r
+    return out

@@ -16,7 +16,7 @@ from transformers import set_seed
 from ..algos.correction import truncated_is_weights
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
-from ..algos.losses import actor_loss, value_loss
+from ..algos.losses import actor_loss, micro_batch_weight, value_loss
 from ..algos.utils import masked_mean
 from ..config import JobConfig
 from ..errors import HpcRlError, RolloutError, TrainingError
@@ -30,7 +30,8 @@ from .batch_maker import BatchMaker
 from .distributed import DistInfo, all_reduce_scalar, broadcast_object, resolve_device_kind
 from .ds_config import batch_sizes
 from .engines import build_actor, build_critic, build_reference, gather_state_dict
-from .experience import Batch, batched_forward, pack, pad_rows, policy_forward, value_forward
+from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward
+from .micro_batches import MicroBatch, plan, token_counts
 from .rollout_pipeline import RolloutPipeline
 
 log = logging.getLogger("hpc_rl")
@@ -69,11 +70,31 @@ class Shard:
 class Forwards:
     """No-grad forwards of the shard before the update."""
 
-    old_logprobs: torch.Tensor  # [B, T] the actor's, the PPO ratio's denominator
+    # [B, T] the actor's, the PPO ratio's denominator; None when the update's own forward gives them (see
+    # Trainer.old_logprobs_forward), which fills them in
+    old_logprobs: torch.Tensor | None
     ref_logprobs: torch.Tensor | None  # [B, T] the frozen reference's (only when a KL term is used)
     values: torch.Tensor | None  # [B, T] the critic's (only for algorithms with a critic)
     # [B, T] the actor's at temperature 1, as the engines report theirs (only for tis at another temperature)
     raw_old_logprobs: torch.Tensor | None = None
+
+
+def needs_old_logprobs_forward(cfg: JobConfig, use_ref: bool, correction: str, model_config) -> bool:
+    """Whether the old log-probs need a forward of their own before the update.
+
+    With one PPO epoch and one optimizer step per RL step, the update's forward runs on the same weights as that
+    forward would, so its log-probs (detached) are the old ones: the ratio is 1 with its gradient intact, as
+    verl and TRL do. It is still needed when the old log-probs are used before the update (a KL penalty in the
+    per-token rewards; importance weights at a sampling temperature other than 1, which need a second,
+    temperature-1 forward) and when the model has dropout (train and eval mode would differ).
+    """
+    a = cfg.algorithm
+    one_step = a.ppo_epochs == 1 and cfg.trainer.mini_batch_size == cfg.samples_per_step
+    kl_before = use_ref and a.kl_in_reward
+    tis_other_temperature = correction == "tis" and cfg.rollout.temperature != 1.0
+    dropout = any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                  for k, v in vars(model_config).items() if "dropout" in k)
+    return not one_step or kl_before or tis_other_temperature or dropout
 
 
 class Trainer:
@@ -112,6 +133,9 @@ class Trainer:
         self._skipped_this_step = False  # set by _update: an optimizer step of this RL step was discarded
         self.policy_version = 0
         self.correction = cfg.algorithm.correction(cfg.rollout.async_steps)
+        self.old_logprobs_forward = needs_old_logprobs_forward(cfg, self.use_ref, self.correction,
+                                                               self.actor.module.config)
+        self._tokens = [0, 0]  # this step's computed and real tokens over all micro-batches (pad_fraction)
         # Rank 0 only: the rollout client, the batch maker and the pipeline that runs them (connect_rollout).
         self.client = None
         self.maker = None
@@ -172,20 +196,26 @@ class Trainer:
         payload = self._rollout_batch(step)  # generated + scored on rank 0 (or ahead, by the pipeline); all ranks
         t_wait = time.time() - t_start
         shard = self._shard(payload)
+        self._tokens = [0, 0]
         t0 = time.time()
         fwd = self._forwards(shard)
         t_fwd = time.time() - t0
-        adv, returns, kl_tok = self._advantages(shard, fwd)
-        is_weights, correction = self._correction(shard, fwd)
+        adv, returns = self._advantages(shard, fwd)
+        is_weights = self._is_weights(fwd.old_logprobs, fwd, shard.rollout_logprobs, shard.batch.response_mask)
         if debug and self.dist.is_main:
             log.debug("step %d shapes: %d samples, this rank's shard input_ids %s (prompt %d + response %d), "
-                      "micro-batch %d; no-grad forwards %.2fs", step + 1, len(payload["prompts"]),
+                      "micro-batch %s; no-grad forwards %.2fs%s", step + 1, len(payload["prompts"]),
                       tuple(shard.batch.input_ids.shape), shard.batch.prompt_len, shard.batch.responses.shape[1],
-                      self.micro, t_fwd)
+                      f"{self.cfg.trainer.max_tokens_per_micro_batch} tokens" if self.cfg.trainer.max_tokens_per_micro_batch
+                      else f"{self.micro} samples", t_fwd, "" if self.old_logprobs_forward else
+                      " (old log-probs come from the update's forward)")
         t0 = time.time()
-        stats = self._update(shard.batch, fwd, adv, returns, is_weights)
+        stats = self._update(shard, fwd, adv, returns, is_weights)
         t_update = time.time() - t0
-        stats.update(correction)
+        stats.update(self._correction_stats(shard, fwd))
+        kl_tok = self._kl(fwd)
+        computed, real = self._tokens
+        stats["pad_fraction"] = 1.0 - real / computed if computed else 0.0
         t0 = time.time()
         sync = self._sync_weights(step, payload)
         t_sync = time.time() - t0
@@ -231,45 +261,69 @@ class Trainer:
         return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
                      rollout_lp.to(dist.device))
 
+    def _micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
+        """`rows` of `batch` cut into micro-batches (trainer.max_tokens_per_micro_batch or micro_batch_size);
+        collective (every rank runs as many as the rank that needs the most); counted for pad_fraction."""
+        mbs = plan(batch, rows, self.cfg.trainer.max_tokens_per_micro_batch, self.micro)
+        computed, real = token_counts(mbs)
+        self._tokens[0] += computed
+        self._tokens[1] += real
+        return mbs
+
     def _forwards(self, shard: Shard) -> Forwards:
         """Old log-probs (actor), reference log-probs and values (critic) of the shard, without gradients."""
         temp = self.cfg.rollout.temperature
+        b = shard.batch
+        needed = self.old_logprobs_forward or self.ref is not None or self.critic is not None
+        mbs = self._micro_batches(b, torch.arange(b.size)) if needed else []
+        size, width = b.size, b.responses.shape[1]
         self.actor.eval()
-        old_lp = batched_forward(policy_forward, self.actor, shard.batch, self.micro, temperature=temp)
-        ref_lp = batched_forward(policy_forward, self.ref, shard.batch, self.micro, temperature=temp) if self.ref else None
+        old_lp = forward_micro_batches(policy_forward, self.actor, mbs, size, width, temperature=temp) \
+            if self.old_logprobs_forward else None
+        ref_lp = forward_micro_batches(policy_forward, self.ref, mbs, size, width, temperature=temp) \
+            if self.ref else None
         values = None
         if self.critic is not None:
             self.critic.eval()
-            values = batched_forward(value_forward, self.critic, shard.batch, self.micro)
+            values = forward_micro_batches(value_forward, self.critic, mbs, size, width)
         raw_lp = None
         if self.correction == "tis" and temp != 1.0:  # the engines report temperature-1 log-probs
-            raw_lp = batched_forward(policy_forward, self.actor, shard.batch, self.micro)
+            raw_lp = forward_micro_batches(policy_forward, self.actor, mbs, size, width)
         return Forwards(old_lp, ref_lp, values, raw_lp)
 
-    def _correction(self, shard: Shard, fwd: Forwards) -> tuple[torch.Tensor | None, dict]:
+    def _is_weights(self, old_lp: torch.Tensor | None, fwd: Forwards, rollout_lp: torch.Tensor,
+                    mask: torch.Tensor) -> torch.Tensor | None:
         """Truncated importance weights between the trainer's policy and the one that sampled (rollout_correction
-        tis), and the mismatch statistics, which are logged with or without the correction."""
-        a = self.cfg.algorithm
+        tis); None without the correction, or while the old log-probs are not known yet."""
+        if self.correction != "tis" or old_lp is None:
+            return None
+        proximal = fwd.raw_old_logprobs if fwd.raw_old_logprobs is not None else old_lp
+        return truncated_is_weights(proximal, rollout_lp, mask, self.cfg.algorithm.tis_cap)[0]
+
+    def _correction_stats(self, shard: Shard, fwd: Forwards) -> dict:
+        """The mismatch statistics between the trainer's and the engines' log-probs, logged with or without the
+        correction (not at another temperature without it: the two are then not comparable)."""
         if self.correction == "none" and self.cfg.rollout.temperature != 1.0:
-            return None, {}  # the trainer's log-probs (at the temperature) and the engines' are not comparable
+            return {}
         proximal = fwd.raw_old_logprobs if fwd.raw_old_logprobs is not None else fwd.old_logprobs
-        weights, stats = truncated_is_weights(proximal, shard.rollout_logprobs, shard.batch.response_mask, a.tis_cap)
-        return (weights if self.correction == "tis" else None), stats
+        return truncated_is_weights(proximal, shard.rollout_logprobs, shard.batch.response_mask,
+                                    self.cfg.algorithm.tis_cap)[1]
+
+    def _kl(self, fwd: Forwards) -> torch.Tensor:
+        """Per-token KL(policy || reference) before the update (zero without a reference)."""
+        if fwd.ref_logprobs is None:
+            return torch.zeros_like(fwd.old_logprobs)
+        return kl_estimate(fwd.old_logprobs, fwd.ref_logprobs, self.cfg.algorithm.kl.estimator)
 
     def _advantages(self, shard: Shard, fwd: Forwards):
-        """Per-token advantages (and returns, for the critic) from the algorithm's registered estimator, and the
-        per-token KL to the reference (zero without one)."""
+        """Per-token advantages (and returns, for the critic) from the algorithm's registered estimator; a KL
+        penalty in the rewards (algorithm.kl_in_reward) comes from the old and reference log-probs."""
         a = self.cfg.algorithm
         mask = shard.batch.response_mask
-        if fwd.ref_logprobs is not None:
-            kl_tok = kl_estimate(fwd.old_logprobs, fwd.ref_logprobs, a.kl.estimator)
-        else:
-            kl_tok = torch.zeros_like(fwd.old_logprobs)
         coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
+        kl_tok = self._kl(fwd) if coef else torch.zeros_like(mask)
         token_rewards = apply_kl_to_rewards(shard.scores, kl_tok, mask, coef)
-        adv, returns = compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values,
-                                                          mask), a)
-        return adv, returns, kl_tok
+        return compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values, mask), a)
 
     def _sync_weights(self, step: int, payload: dict) -> dict:
         """Every rank joins the gather of the updated actor; rank 0 hands it to the pipeline, which pushes it to
@@ -350,12 +404,21 @@ class Trainer:
                       m["rollout_idle_seconds"], m["step_seconds"])
         return m
 
-    def _update(self, batch: Batch, fwd: Forwards, adv, returns, is_weights=None) -> dict:
-        """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped."""
+    def _update(self, shard: Shard, fwd: Forwards, adv, returns, is_weights=None) -> dict:
+        """PPO epochs over mini-batches: actor (and critic) optimizer steps; non-finite steps are skipped.
+
+        Each mini-batch is cut into micro-batches (_micro_batches) whose losses are weighted to sum to the
+        mini-batch's loss; the optimizer steps after the last one. Without an old log-prob forward (one epoch,
+        one optimizer step), the current log-probs are the old ones: they fill fwd.old_logprobs.
+        """
         cfg, a, dist = self.cfg, self.cfg.algorithm, self.dist
-        old_lp, ref_lp, old_values = fwd.old_logprobs, fwd.ref_logprobs, fwd.values
+        batch = shard.batch
+        ref_lp, old_values = fwd.ref_logprobs, fwd.values
+        old_lp = fwd.old_logprobs
+        fill_old = old_lp is None
+        if fill_old:
+            old_lp = torch.zeros_like(batch.response_mask)
         per_rank_mb = cfg.trainer.mini_batch_size // dist.world_size
-        micro = self.micro
         n = batch.size
         rng = np.random.default_rng([cfg.seed, self.step, dist.rank])
         sums: dict[str, float] = {}
@@ -369,23 +432,32 @@ class Trainer:
         for _epoch in range(a.ppo_epochs):
             order = torch.as_tensor(rng.permutation(n))
             for mb_start in range(0, n, per_rank_mb):
-                mb_idx = order[mb_start:mb_start + per_rank_mb]
-                for s in range(0, len(mb_idx), micro):
-                    idx = mb_idx[s:s + micro].to(batch.input_ids.device)
-                    mb = batch.slice(idx)
-                    mask = mb.response_mask
-                    logp, ent = policy_forward(self.actor, mb, cfg.rollout.temperature, with_entropy=True)
-                    loss, st = actor_loss(logp, ent, old_lp[idx], ref_lp[idx] if use_kl_loss else None, adv[idx],
-                                          mask, a, self.kl_ctl.value,
-                                          is_weights[idx] if is_weights is not None else None)
+                rows = order[mb_start:mb_start + per_rank_mb].to(batch.input_ids.device)
+                mini_mask = batch.response_mask[rows]
+                mbs = self._micro_batches(batch, rows)
+                for j, mb in enumerate(mbs):
+                    # The optimizer steps after the last micro-batch, however many the token budget made.
+                    for engine in self.engines.values():
+                        engine.set_gradient_accumulation_boundary(j == len(mbs) - 1)
+                    idx, w = mb.rows, mb.response_width
+                    mask = mb.batch.response_mask
+                    weight = micro_batch_weight(mask, mini_mask, a.loss_agg)
+                    logp, ent = policy_forward(self.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
+                    if fill_old:  # before this mini-batch's (only) optimizer step: these are the old log-probs
+                        old_lp[idx, :w] = logp.detach()
+                        mb_is = self._is_weights(logp.detach(), fwd, shard.rollout_logprobs[idx, :w], mask)
+                    else:
+                        mb_is = is_weights[idx, :w] if is_weights is not None else None
+                    loss, st = actor_loss(logp, ent, old_lp[idx, :w], ref_lp[idx, :w] if use_kl_loss else None,
+                                          adv[idx, :w], mask, a, self.kl_ctl.value, mb_is)
                     # A non-finite loss still goes through backward: its NaN gradient norm makes DeepSpeed
                     # discard the optimizer step on every rank alike (was_step_applied() is False).
-                    self.actor.backward(loss)
+                    self.actor.backward(loss * weight, scale_wrt_gas=False)
                     self.actor.step()
                     if self.critic is not None:
-                        v = value_forward(self.critic, mb)
-                        vl, vst = value_loss(v, old_values[idx], returns[idx], mask, a.value_clip, a.loss_agg)
-                        self.critic.backward(a.value_coef * vl)
+                        v = value_forward(self.critic, mb.batch)
+                        vl, vst = value_loss(v, old_values[idx, :w], returns[idx, :w], mask, a.value_clip, a.loss_agg)
+                        self.critic.backward(a.value_coef * vl * weight, scale_wrt_gas=False)
                         self.critic.step()
                         st.update(vst)
                         st["value_loss"] = float(vl.detach())
@@ -400,6 +472,8 @@ class Trainer:
                     grad_norms.append(float(gn))
                 if not applied:
                     skipped += 1
+        if fill_old:
+            fwd.old_logprobs = old_lp
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
         out["skipped_updates"] = float(skipped)
