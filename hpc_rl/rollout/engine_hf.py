@@ -24,7 +24,8 @@ THREADS_ENV = "HPC_RL_ROLLOUT_THREADS"
 
 
 def _threads(device: str) -> int | None:
-    """CPU threads for the engine: $HPC_RL_ROLLOUT_THREADS, else 1 on CPU (the trainer shares the cores)."""
+    """CPU threads for the engine: $HPC_RL_ROLLOUT_THREADS (the launcher sets it: launch.cpu_threads), else 1 on
+    CPU (a server started by hand shares the cores)."""
     raw = os.environ.get(THREADS_ENV)
     if raw:
         try:

@@ -52,7 +52,7 @@ def init_distributed(cfg: JobConfig) -> DistInfo:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-        # Ranks share the machine's cores with each other and the rollout server.
+        # Ranks share the machine's cores with each other and the rollout server (launch.cpu_threads).
         torch.set_num_threads(int(os.environ.get("HPC_RL_TRAINER_THREADS", "1")))
     _skip_shm_comm_op()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
