@@ -41,10 +41,10 @@ from _common import (  # noqa: E402
 # hpc-rl's fastest layout on one 2-core machine (README "Fastest single-machine layout"): one trainer rank without
 # ZeRO partitioning (nothing to partition on one rank), token-budget micro-batches, generation one step ahead
 # (the launcher gives the rank every core and the HF server half of them).
-FAST_LAYOUT = ["trainer.procs_per_node=1", "trainer.zero_stage=0", "trainer.max_tokens_per_micro_batch=1024",
+FAST_LAYOUT = ["trainer.procs_per_node=1", "trainer.zero_stage=0", "trainer.max_tokens_per_micro_batch=512",
                "rollout.async_steps=1"]
 # The fastest synchronous (on-policy, as TRL) layout: the same, generating and training in turn on every core.
-SYNC_LAYOUT = ["trainer.procs_per_node=1", "trainer.zero_stage=0", "trainer.max_tokens_per_micro_batch=1024"]
+SYNC_LAYOUT = ["trainer.procs_per_node=1", "trainer.zero_stage=0", "trainer.max_tokens_per_micro_batch=512"]
 
 # name: model shape, prompts/step, group, max new tokens, lr, steps, reps, hpc-rl's layout (dotted overrides of the
 # toy GRPO job; none: the toy job's own, 2 ZeRO-3 ranks)

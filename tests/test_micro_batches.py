@@ -1,6 +1,7 @@
 """Token-budget micro-batches and the no-recompute shortcut give the losses and gradients of the padded path;
 chunked log-probs equal the direct ones."""
 
+import itertools
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from hpc_rl import config
 from hpc_rl.algos.losses import actor_loss, micro_batch_weight
 from hpc_rl.train import experience
 from hpc_rl.train.experience import pack, policy_forward, token_logprobs
-from hpc_rl.train.micro_batches import _cut, _greedy, plan, row_lengths, token_counts
+from hpc_rl.train.micro_batches import _cost, _cut, _greedy, _least_padding, plan, row_lengths, token_counts
 from hpc_rl.train.trainer import needs_old_logprobs_forward
 
 
@@ -54,6 +55,30 @@ def test_cut_makes_exactly_k_nonempty_groups():
     for k in range(1, 7):
         starts = _cut(lengths, k)
         assert len(starts) == k and starts[0] == 0 and starts == sorted(set(starts))
+
+
+def _total(lengths, starts):
+    bounds = starts + [len(lengths)]
+    groups = [lengths[a:b] for a, b in zip(bounds, bounds[1:])]
+    return sum(_cost(len(g), max(p for p, _ in g), max(r for _, r in g)) for g in groups), groups
+
+
+def test_least_padding_cut_is_the_best_contiguous_cut_within_the_budget():
+    rnd = random.Random(5)
+    for _ in range(60):
+        n = rnd.randint(1, 9)
+        lengths = sorted(((rnd.randint(1, 4), rnd.randint(0, 20)) for _ in range(n)), key=lambda x: (sum(x), x[1]))
+        cap = rnd.randint(8, 80)
+        k = len(_greedy(lengths, cap)) + rnd.randint(0, 2)
+        starts = _least_padding(lengths, k, cap)
+        total, groups = _total(lengths, starts)
+        assert starts[0] == 0 and len(starts) <= k
+        assert all(len(g) == 1 or _cost(len(g), max(p for p, _ in g), max(r for _, r in g)) <= cap for g in groups)
+        best = min(  # every way to cut the sorted rows into at most k groups within the cap
+            (_total(lengths, [0, *cuts])[0] for m in range(0, min(k, n)) for cuts in itertools.combinations(range(1, n), m)
+             if all(len(g) == 1 or _cost(len(g), max(p for p, _ in g), max(r for _, r in g)) <= cap
+                    for g in _total(lengths, [0, *cuts])[1])), default=None)
+        assert total == best
 
 
 def test_fixed_micro_batches_hold_micro_size_rows():

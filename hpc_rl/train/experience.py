@@ -130,7 +130,8 @@ def _chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     flat = hidden.reshape(B * R, H)
     flat_labels = labels.reshape(B * R)
     step = max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    # Recomputing in backward only pays where the logits would not fit one chunk anyway.
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and B * R > step
     outs = []
     for s in range(0, B * R, step):
         args = (flat[s:s + step], weight, bias, flat_labels[s:s + step], temperature, with_entropy)

@@ -60,14 +60,61 @@ def _cut(lengths: list[tuple[int, int]], k: int) -> list[int]:
             hi = mid
         else:
             lo = mid + 1
-    starts = _greedy(lengths, lo)
-    bounds = starts + [len(lengths)]
-    groups = [(bounds[i], bounds[i + 1]) for i in range(len(starts))]
-    while len(groups) < k:  # fewer groups than agreed: halve the largest (by rows) until there are k
+    return _split_to(_greedy(lengths, lo), len(lengths), k)
+
+
+def _split_to(starts: list[int], n: int, k: int) -> list[int]:
+    """Halve the largest group (by rows) until there are k groups (k <= n)."""
+    groups = _group_bounds(starts, n)
+    while len(groups) < k:
         j = max(range(len(groups)), key=lambda i: groups[i][1] - groups[i][0])
         a, b = groups[j]
         groups[j:j + 1] = [(a, (a + b) // 2), ((a + b) // 2, b)]
     return [a for a, _ in groups]
+
+
+# Rows x groups x candidate group sizes above which the exact cut (_least_padding) gives way to the greedy one.
+EXACT_CUT_LIMIT = 2_000_000
+
+
+def _least_padding(lengths: list[tuple[int, int]], k: int, cap: int) -> list[int] | None:
+    """Start indices of at most k contiguous groups of the sorted rows, each costing <= cap (a row costing more
+    stays alone), with the fewest computed tokens in total (dynamic programming over cut points); None when
+    the search would be too large (see EXACT_CUT_LIMIT)."""
+    n = len(lengths)
+    # The most rows a group under the cap can hold: the greedy first group's (the rows are sorted, so no
+    # group further right may hold more).
+    width = _group_bounds(_greedy(lengths, cap), n)[0][1]
+    if n * k * width > EXACT_CUT_LIMIT:
+        return None
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(k + 1)]  # best[g][j]: least cost of rows[:j] in g groups
+    back = [[0] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for g in range(1, k + 1):
+        for j in range(1, n + 1):
+            p = r = 0
+            for i in range(j - 1, max(-1, j - 1 - width), -1):  # group rows[i:j], grown leftwards
+                p, r = max(p, lengths[i][0]), max(r, lengths[i][1])
+                c = _cost(j - i, p, r)
+                if c > cap and j - i > 1:
+                    break
+                if best[g - 1][i] + c < best[g][j]:
+                    best[g][j], back[g][j] = best[g - 1][i] + c, i
+    g = min(range(1, k + 1), key=lambda x: (best[x][n], x))
+    if best[g][n] == inf:
+        return None
+    starts, j = [], n
+    while g:
+        j = back[g][j]
+        starts.append(j)
+        g -= 1
+    return starts[::-1]
+
+
+def _group_bounds(starts: list[int], n: int) -> list[tuple[int, int]]:
+    bounds = starts + [n]
+    return list(zip(bounds, bounds[1:]))
 
 
 def row_lengths(batch: Batch) -> list[tuple[int, int]]:
@@ -91,7 +138,10 @@ def plan(batch: Batch, rows: torch.Tensor, max_tokens: int, micro_size: int, col
         k = len(_greedy(lengths, max_tokens))
         if collective:
             k = int(all_reduce_scalar(float(k), "max"))
-        starts = _cut(lengths, min(k, n))
+        k = min(k, n)
+        # The fewest padded tokens within the budget; then split the largest groups up to the agreed number.
+        starts = _least_padding(lengths, k, max_tokens) or _cut(lengths, k)
+        starts = _split_to(starts, n, k)
     else:
         starts = list(range(0, n, micro_size))
     bounds = starts + [n]
