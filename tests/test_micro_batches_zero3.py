@@ -13,6 +13,7 @@ from hpc_rl.netutil import free_port
 pytestmark = pytest.mark.slow
 
 SAMPLES = 8  # over both ranks
+DEFAULT_CHUNK = 32 * 2**20
 
 
 def _payload(vocab: int) -> tuple[list, list, list]:
@@ -39,6 +40,7 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 def _one_update(rank: int, model_dir: str, out_dir: str, budget: int) -> dict:
     from hpc_rl import config
     from hpc_rl.rundir import RunDir
+    from hpc_rl.train import experience
     from hpc_rl.train.distributed import init_distributed
     from hpc_rl.train.trainer import Trainer
 
@@ -48,7 +50,11 @@ def _one_update(rank: int, model_dir: str, out_dir: str, budget: int) -> dict:
         "trainer": {"device": "cpu", "lr": 1e-3, "prompts_per_step": SAMPLES, "mini_batch_size": SAMPLES,
                     "max_tokens_per_micro_batch": budget}})
     trainer = Trainer(cfg, RunDir(out_dir), init_distributed(cfg))
-    prompts, responses, scores = _payload(trainer.actor.module.config.vocab_size)
+    vocab = trainer.actor.module.config.vocab_size
+    # The token-budget side also runs the output layer in 5-token chunks, recomputed in backward under ZeRO-3's
+    # parameter hooks; the padded side in one chunk.
+    experience.LOGIT_CHUNK_BYTES = 4 * vocab * 5 if budget else DEFAULT_CHUNK
+    prompts, responses, scores = _payload(vocab)
     payload = {"prompts": prompts, "responses": responses, "scores": scores,
                "rollout_logprobs": [[0.0] * len(r) for r in responses]}
     shard = trainer._shard(payload)
