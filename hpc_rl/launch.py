@@ -109,14 +109,16 @@ def _base_env(cfg: JobConfig) -> dict:
     return env
 
 
-def cpu_threads(cfg: JobConfig, processes: int, kind: str) -> int:
-    """CPU threads for each of `processes` unpinned processes of one kind ("trainer" ranks, a "rollout" server).
+def cpu_threads(cfg: JobConfig, processes: int, kind: str, cpus: list[int] | None = None) -> int:
+    """CPU threads for each of `processes` processes of one kind ("trainer" ranks, a "rollout" server).
 
-    Synchronous steps alternate generation and training, so each phase may use every core this launcher has.
-    With rollout.async_steps they run at once: the ranks keep every core and the server gets half (on 2 cores,
-    25M parameters: 4.8 s/step, against 6.6 s with one pinned core each and 7.4 s with two threads each; bench
-    README "Fastest single-machine layout").
+    Pinned processes (`cpus`) share the cores they were given. Unpinned: synchronous steps alternate generation
+    and training, so each phase may use every core this launcher has; with rollout.async_steps they run at once:
+    the ranks keep every core and the server gets half (on 2 cores, 25M parameters: 4.8 s/step, against 6.6 s
+    with one pinned core each and 7.4 s with two threads each; README "Fastest layout on one machine").
     """
+    if cpus:
+        return max(1, len(cpus) // processes)
     cores = len(os.sched_getaffinity(0))
     if kind == "rollout" and cfg.rollout.async_steps:
         cores = max(1, cores // 2)
@@ -129,12 +131,9 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     env = _base_env(cfg)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
-    if cpus:
-        # The engines' CPU threads follow the cores they were given (HF engine; vLLM's CPU worker binding).
-        env.setdefault("HPC_RL_ROLLOUT_THREADS", str(len(cpus)))
+    env.setdefault("HPC_RL_ROLLOUT_THREADS", str(cpu_threads(cfg, 1, "rollout", cpus)))
+    if cpus:  # vLLM's CPU worker binds its threads to the cores it was given
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
-    else:
-        env.setdefault("HPC_RL_ROLLOUT_THREADS", str(cpu_threads(cfg, 1, "rollout")))
     run.logs.mkdir(parents=True, exist_ok=True)
     logf = open(run.logs / f"rollout-{index}.log", "ab")
     cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
@@ -243,7 +242,7 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
         env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(ppn), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("HPC_RL_TRAINER_THREADS", str(max(1, len(cpus) // ppn) if cpus else cpu_threads(cfg, ppn, "trainer")))
+        env.setdefault("HPC_RL_TRAINER_THREADS", str(cpu_threads(cfg, ppn, "trainer", cpus)))
         cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                              preexec_fn=_die_with_parent(cpus))

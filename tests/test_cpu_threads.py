@@ -18,3 +18,10 @@ def test_cpu_threads(monkeypatch, cores, async_steps, ranks, per_rank, server):
     cfg = config.load_dict({"model": {"path": "m"}, "rollout": {"async_steps": async_steps}})
     assert launch.cpu_threads(cfg, ranks, "trainer") == per_rank
     assert launch.cpu_threads(cfg, 1, "rollout") == server
+
+
+def test_pinned_processes_share_their_cores():
+    cfg = config.load_dict({"model": {"path": "m"}, "rollout": {"async_steps": 1}})
+    assert launch.cpu_threads(cfg, 2, "trainer", [0, 1, 2, 3]) == 2
+    assert launch.cpu_threads(cfg, 1, "rollout", [5]) == 1
+    assert launch.cpu_threads(cfg, 1, "rollout", [4, 5]) == 2  # pinned: not halved in async mode

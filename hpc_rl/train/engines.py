@@ -15,11 +15,19 @@ from . import ds_config
 log = logging.getLogger("hpc_rl")
 
 
-def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, **kwargs):
-    """Load under an active HfDeepSpeedConfig so ZeRO-3 partitions the weights while they load."""
+def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, **config_kwargs):
+    """Load under an active HfDeepSpeedConfig so ZeRO-3 partitions the weights while they load; config_kwargs
+    override the folder's config (keys the model class does not take, too)."""
+    from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig
 
     check_model_dir(path)
+    kwargs = {}
+    if config_kwargs:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        for key, value in config_kwargs.items():
+            setattr(config, key, value)
+        kwargs["config"] = config
     keep_alive = HfDeepSpeedConfig(ds) if ds["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -72,16 +80,14 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
 def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
     """A token-classification model with one label: the value of every position."""
     import deepspeed
-    from transformers import AutoConfig, AutoModelForTokenClassification
+    from transformers import AutoModelForTokenClassification
 
     ds = ds_config.render(cfg, world_size, device_kind)
     path = cfg.model.critic_path or cfg.model.path
     # transformers' token-classification head applies dropout 0.1 by default: in train mode the values of
     # the update would be noisy copies of the (eval-mode) old values that value clipping compares them with.
-    check_model_dir(path)  # a one-line error for a missing or partial folder, before transformers reads it
-    config = AutoConfig.from_pretrained(path, num_labels=1, trust_remote_code=cfg.model.trust_remote_code)
-    config.classifier_dropout = 0.0
-    model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, config=config)
+    model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, num_labels=1,
+                                   classifier_dropout=0.0)
     opt = _optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep

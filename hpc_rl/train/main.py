@@ -29,11 +29,10 @@ def main(argv: list[str] | None = None) -> int:
         from .. import config
         from ..rundir import RunDir
         from .distributed import init_distributed, shutdown_distributed
-        from .trainer import Trainer
 
         run = RunDir(os.path.abspath(args.run_dir))
         cfg = config.load(run.job_yaml)
-        _train(cfg, run, init_distributed(cfg), Trainer)
+        _train(cfg, run, init_distributed(cfg))
         shutdown_distributed()  # every rank left fit() after the same last collective; its engines are out of scope
         return 0
     except HpcRlError as e:
@@ -45,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _train(cfg, run, dist, trainer_cls) -> None:
-    trainer = trainer_cls(cfg, run, dist)
+def _train(cfg, run, dist) -> None:
+    from .trainer import Trainer
+
+    trainer = Trainer(cfg, run, dist)
     trainer.resume_if_possible()
     trainer.connect_rollout()
     trainer.fit()

@@ -139,9 +139,10 @@ def plan(batch: Batch, rows: torch.Tensor, max_tokens: int, micro_size: int, col
         if collective:
             k = int(all_reduce_scalar(float(k), "max"))
         k = min(k, n)
-        # The fewest padded tokens within the budget; then split the largest groups up to the agreed number.
-        starts = _least_padding(lengths, k, max_tokens) or _cut(lengths, k)
-        starts = _split_to(starts, n, k)
+        # The fewest padded tokens within the budget, its largest groups split up to the agreed number (the
+        # min-max cut where the exact search would be too large).
+        starts = _least_padding(lengths, k, max_tokens)
+        starts = _cut(lengths, k) if starts is None else _split_to(starts, n, k)
     else:
         starts = list(range(0, n, micro_size))
     bounds = starts + [n]
