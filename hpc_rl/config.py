@@ -85,21 +85,62 @@ class DataConfig:
 
 
 @dataclass
-class RewardConfig:
-    """A reward is a callable `pkg.mod:fn(prompt, completion, **row_fields) -> float`."""
+class RewardModelConfig:
+    """A sequence-classification reward model: one score per sample, read at the last real token of prompt + response."""
 
-    # The reward callable as pkg.module:function (importable by the trainer ranks).
-    function: str = "hpc_rl.rewards.toy:repeat_digit"
+    # HF folder loaded with AutoModelForSequenceClassification (config.json, weights, tokenizer files).
+    path: str | None = None
+    # Build the tiny reward model of a toy task offline instead of `path` (e.g. toy:repeat_digit; tests and toys).
+    tiny: str | None = None
+    # Allow code shipped inside the folder to run (transformers' trust_remote_code).
+    trust_remote_code: bool = False
+    # Precision of the reward model; null: model.dtype.
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    # The head's output used as the score, for heads with more than one label (null: the head must have one).
+    label_index: int | None = None
+    # score = transform(scale * (logit - shift)): sigmoid/tanh bound raw logits (a binary head's logits in
+    # [-15, -8] would otherwise be dwarfed by the KL penalty).
+    transform: Literal["raw", "sigmoid", "tanh"] = "raw"
+    # Multiplies the logit (after the shift), before the transform.
+    scale: float = 1.0
+    # Subtracted from the logit before scaling (e.g. the mean logit of the reward model on reference answers).
+    shift: float = 0.0
+    # Longest prompt + response in the reward model's tokens; longer ones keep their last max_length tokens.
+    max_length: int = 1024
+    # Sequences per reward-model forward (on each trainer rank, or per server request).
+    batch_size: int = 8
+    # trainer: a ZeRO-3 inference engine on the trainer ranks (partitioned like the reference model);
+    # server: on the rollout servers' nodes, on a GPU of its own (each server gets tensor_parallel + 1 GPUs).
+    placement: Literal["trainer", "server"] = "trainer"
+
+
+@dataclass
+class RewardConfig:
+    """Rewards: a callable `pkg.mod:fn(prompt, completion, **row_fields) -> float`, a reward model, or both."""
+
+    # The reward callable as pkg.module:function (importable by the trainer ranks); null: the reward model only.
+    function: str | None = "hpc_rl.rewards.toy:repeat_digit"
     # Extra keyword arguments passed to every call.
     kwargs: dict = field(default_factory=dict)
     # batched: fn(prompts, completions, **fields_as_lists) -> B floats, for functions that vectorize.
     batched: bool = False
-    # Multiply every reward by this.
+    # A sequence-classification reward model; null: none.
+    model: RewardModelConfig | None = None
+    # Weights of the parts when both are given: {function: w, model: w} (a missing part weighs 1.0).
+    weights: dict = field(default_factory=dict)
+    # A rule-based score `pkg.mod:fn` (same signature as function) that is logged as monitor_mean, never trained on.
+    monitor: str | None = None
+    # Multiply every (combined) reward by this.
     scale: float = 1.0
     # Standardize rewards with running mean/std over the whole run (kept in checkpoints).
     normalize: bool = False
     # Clip rewards to [-clip, clip] after scaling/normalizing; null: no clipping.
     clip: float | None = None
+
+    @property
+    def parts(self) -> list[str]:
+        """The reward's parts that are trained on: 'function', 'model' or both."""
+        return [name for name, on in (("function", self.function), ("model", self.model)) if on]
 
 
 @dataclass
@@ -627,7 +668,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(0 <= t.min_lr_ratio <= 1, f"trainer.min_lr_ratio must be in [0, 1]; got {t.min_lr_ratio}")
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
-    need(cfg.reward.clip is None or cfg.reward.clip > 0, f"reward.clip must be > 0 (or null); got {cfg.reward.clip}")
+    _validate_reward(cfg, need)
     need(t.check_sync_every >= 0 and t.sync_tolerance > 0,
          "trainer.check_sync_every must be >= 0 and trainer.sync_tolerance > 0")
     samples = cfg.samples_per_step
@@ -686,6 +727,39 @@ def validate(cfg: JobConfig) -> JobConfig:
              f"rollout.tensor_parallel x rollout.servers_per_node ({r.tensor_parallel * r.servers_per_node}) "
              "exceeds the GPUs of a rollout node")
     return cfg
+
+
+def _validate_reward(cfg: JobConfig, need) -> None:
+    rw, rm = cfg.reward, cfg.reward.model
+    need(rw.clip is None or rw.clip > 0, f"reward.clip must be > 0 (or null); got {rw.clip}")
+    need(bool(rw.parts), "reward: neither reward.function nor reward.model is set; give a reward function "
+         "(pkg.module:function), a reward model (reward.model.path), or both")
+    for key, w in rw.weights.items():
+        need(key in ("function", "model"), f"reward.weights.{key}: unknown part; the parts are 'function' and 'model'")
+        need(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w),
+             f"reward.weights.{key}: expected a finite number, got {w!r}")
+        need(key in rw.parts, f"reward.weights.{key}: this job has no reward {key}; remove the weight or set "
+             f"reward.{key}")
+    if rm is None:
+        return
+    need((rm.path is None) != (rm.tiny is None), "reward.model: set exactly one of reward.model.path (an HF folder "
+         "with a sequence-classification head) and reward.model.tiny (a toy task's tiny reward model)")
+    need(rm.label_index is None or rm.label_index >= 0, f"reward.model.label_index must be >= 0; got {rm.label_index}")
+    need(rm.max_length >= 2, f"reward.model.max_length must be >= 2 tokens; got {rm.max_length}")
+    need(rm.batch_size >= 1, f"reward.model.batch_size must be >= 1; got {rm.batch_size}")
+    need(rm.scale != 0, "reward.model.scale must not be 0 (every sample would score the same)")
+    r, s = cfg.rollout, cfg.slurm
+    if rm.placement == "server" and s.gpus_per_node and cfg.trainer.device != "cpu":
+        gpus = s.rollout_gpus_per_node or s.gpus_per_node
+        need((r.tensor_parallel + 1) * r.servers_per_node <= gpus,
+             f"reward.model.placement: server gives each rollout server a GPU of its own for the reward model "
+             f"((rollout.tensor_parallel + 1) x rollout.servers_per_node = {(r.tensor_parallel + 1) * r.servers_per_node}"
+             f" GPUs) but a rollout node has {gpus}; lower rollout.servers_per_node or use placement: trainer")
+    if rm.placement == "server" and r.local_devices:
+        need(len(r.local_devices) % (r.tensor_parallel + 1) == 0,
+             "rollout.local_devices: with reward.model.placement server each rollout server takes "
+             f"rollout.tensor_parallel + 1 = {r.tensor_parallel + 1} GPUs (the last for the reward model); "
+             f"got {len(r.local_devices)}")
 
 
 # --------------------------------------------------------------------------- entry points

@@ -23,8 +23,10 @@ from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
 from .models.tiny import build_tiny_model
+from .models.tiny_reward import build_tiny_reward_model
 from .netutil import advertise_host, free_port
 from .rewards.base import load_reward_fn
+from .rewards.model import check_reward_model
 from .rundir import RunDir, read_json, write_json_atomic
 
 log = logging.getLogger("hpc_rl")
@@ -40,7 +42,13 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     is removed again: a run that never started leaves nothing behind.
     """
     cfg = config.load(job_path, overrides)
-    load_reward_fn(cfg.reward.function)
+    if cfg.reward.function:
+        load_reward_fn(cfg.reward.function)
+    if cfg.reward.monitor:
+        load_reward_fn(cfg.reward.monitor, "reward.monitor")
+    rm = cfg.reward.model
+    if rm is not None and rm.path is not None:
+        check_reward_model(rm)
     load_rows(cfg.data, cfg.seed)
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
@@ -50,6 +58,12 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
             cfg.model.tiny = None
         else:
             cfg.model.path = str(Path(cfg.model.path).resolve()) if Path(cfg.model.path).exists() else cfg.model.path
+        if rm is not None and rm.tiny is not None:
+            log.info("training the tiny reward model of %s (Bradley-Terry on synthetic preference pairs)", rm.tiny)
+            build_tiny_reward_model(rm.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.reward_model_init)
+            rm.path, rm.tiny = str(run.reward_model_init), None
+        elif rm is not None:
+            rm.path = str(Path(rm.path).resolve())
         PromptDataset(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), cfg.seed)
         if cfg.data.source.endswith((".jsonl", ".json", ".parquet")):
             cfg.data.source = str(Path(cfg.data.source).resolve())

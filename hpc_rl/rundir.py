@@ -71,6 +71,11 @@ class RunDir:
     def model_init(self) -> Path:
         return self.root / "model-init"
 
+    @property
+    def reward_model_init(self) -> Path:
+        """The tiny reward model built for this run (reward.model.tiny)."""
+        return self.root / "reward-model-init"
+
     def rollout_file(self, index: int) -> Path:
         """Written by rollout server `index` once it serves: {index, host, port, url, hostname, pid, engine}."""
         return self.rendezvous / f"rollout-{index}.json"

@@ -33,14 +33,15 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
-    """AutoTokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts."""
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str = "model.path"):
+    """AutoTokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts; errors
+    name `key` (the config key of the folder)."""
     from transformers import AutoTokenizer
 
     try:
         tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise ModelError(f"model.path: cannot load a tokenizer from {path} ({first_line(e)}); "
+        raise ModelError(f"{key}: cannot load a tokenizer from {path} ({first_line(e)}); "
                          "the folder needs tokenizer.json or tokenizer_config.json") from None
     vocab = _model_vocab_size(path)
     # Some tokenizer classes invent a default pad token (Qwen2: '<|endoftext|>') that the model's
@@ -48,7 +49,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     invented = vocab is not None and tok.pad_token_id is not None and tok.pad_token_id >= vocab
     if tok.pad_token is None or invented:
         if tok.eos_token is None:
-            raise ModelError(f"model.path: the tokenizer in {path} has neither pad_token nor eos_token; "
+            raise ModelError(f"{key}: the tokenizer in {path} has neither pad_token nor eos_token; "
                              "set one in tokenizer_config.json")
         tok.pad_token = tok.eos_token
         if str(path) not in _warned_pad:

@@ -13,22 +13,22 @@ from ..config import RewardConfig
 from ..errors import RewardError
 
 
-def load_reward_fn(spec: str) -> Callable:
-    """`pkg.mod:fn` (or `pkg.mod.fn`) -> the callable; RewardError naming what failed."""
+def load_reward_fn(spec: str, key: str = "reward.function") -> Callable:
+    """`pkg.mod:fn` (or `pkg.mod.fn`) -> the callable; RewardError naming `key` and what failed."""
     if ":" in spec:
         mod_name, attr = spec.split(":", 1)
     else:
         mod_name, _, attr = spec.rpartition(".")
     if not mod_name or not attr:
-        raise RewardError(f"reward.function: {spec!r} is not a dotted path; use 'package.module:function'")
+        raise RewardError(f"{key}: {spec!r} is not a dotted path; use 'package.module:function'")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
-        raise RewardError(f"reward.function: cannot import module {mod_name!r} ({e}); check the path and that "
+        raise RewardError(f"{key}: cannot import module {mod_name!r} ({e}); check the path and that "
                           "the package is installed in this env") from None
     fn = getattr(mod, attr, None)
     if fn is None or not callable(fn):
-        raise RewardError(f"reward.function: {mod_name!r} has no callable {attr!r}")
+        raise RewardError(f"{key}: {mod_name!r} has no callable {attr!r}")
     return fn
 
 
@@ -53,9 +53,10 @@ def _as_float(value, spec: str, index: int) -> float:
 
 
 def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], completions: list[str],
-                    rows: list[dict]) -> np.ndarray:
-    """Call the reward function on every sample; one finite float each, else RewardError naming the sample."""
-    spec = cfg.function
+                    rows: list[dict], spec: str | None = None) -> np.ndarray:
+    """Call the reward function (`spec` names it in errors; default reward.function) on every sample; one
+    finite float each, else RewardError naming the sample."""
+    spec = spec or cfg.function
     n = len(completions)
     if cfg.batched:
         fields: dict[str, list] = {}
@@ -87,6 +88,35 @@ def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], complet
                 raise RewardError(f"reward.function {spec} raised {type(e).__name__} on sample {i}: {e}") from None
             values.append(_as_float(v, spec, i))
     return np.asarray(values, dtype=np.float64)
+
+
+def describe(values: np.ndarray, prefix: str) -> dict:
+    """{prefix_mean, _std, _min, _max} of a batch of scores."""
+    return {f"{prefix}_mean": float(values.mean()), f"{prefix}_std": float(values.std()),
+            f"{prefix}_min": float(values.min()), f"{prefix}_max": float(values.max())}
+
+
+def combine_rewards(parts: dict, cfg: RewardConfig) -> tuple[np.ndarray, dict]:
+    """The trained-on reward: reward.weights x each part ('function' scores, the reward model's raw 'model_logits'
+    through its transform), summed; with each part's statistics (and the monitor's mean, never trained on)."""
+    from .model import check_finite, transform
+
+    total, stats = None, {}
+    for name in cfg.parts:
+        if name == "model":
+            stats.update(describe(np.asarray(parts["model_logits"], dtype=np.float64), "reward_model_logit"))
+            values = transform(parts["model_logits"], cfg.model)
+            check_finite(values)
+        else:
+            values = np.asarray(parts["function"], dtype=np.float64)
+        if len(cfg.parts) > 1:
+            stats.update(describe(values, f"reward_{name}"))
+        weighted = cfg.weights.get(name, 1.0) * values
+        total = weighted if total is None else total + weighted
+    stats.update(describe(total, "reward"))
+    if parts.get("monitor") is not None:
+        stats["monitor_mean"] = float(np.mean(parts["monitor"]))
+    return total, stats
 
 
 class RewardShaper:

@@ -1,4 +1,8 @@
-"""Rank 0's experience source: a step's prompts -> samples from the rollout servers -> rewards -> the batch."""
+"""Rank 0's experience source: a step's prompts -> samples from the rollout servers -> rewards -> the batch.
+
+The batch carries each reward part unshaped (`reward_parts`): the function's scores, the reward model's raw logits
+when a server scores them, its token ids (`reward_model_ids`) when the trainer ranks do; the trainer combines and
+shapes them in step order (Trainer._rewards), so a batch generated ahead needs no reward state."""
 
 from __future__ import annotations
 
@@ -11,7 +15,8 @@ import time
 from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
-from ..rewards.base import RewardShaper, compute_rewards, load_reward_fn
+from ..rewards.base import compute_rewards, load_reward_fn
+from ..rewards.model import RewardInputs
 from ..rollout.client import RolloutClient
 from ..rollout.engine import SamplingParams
 
@@ -22,11 +27,13 @@ debug = os.environ.get("HPC_RL_DEBUG") == "1"
 class BatchMaker:
     """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
 
-    def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient):
+    def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient, reward_tokenizer=None):
         self.cfg, self.tokenizer, self.client = cfg, tokenizer, client
         self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
-        self.reward_fn = load_reward_fn(cfg.reward.function)
-        self.shaper = RewardShaper(cfg.reward)
+        rw = cfg.reward
+        self.reward_fn = load_reward_fn(rw.function) if rw.function else None
+        self.monitor_fn = load_reward_fn(rw.monitor, "reward.monitor") if rw.monitor else None
+        self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
         self.stop_ids = sorted({tokenizer.eos_token_id, *self._single_token_stops()})
 
     def _single_token_stops(self) -> list[int]:
@@ -38,8 +45,8 @@ class BatchMaker:
         return ids
 
     def make(self, step: int) -> dict:
-        """The batch of `step`: token ids, the engine's log-probs and policy version per sample, shaped scores,
-        and stats; `shaper_state` is the reward shaper's state right after this batch (for checkpoints)."""
+        """The batch of `step`: token ids, the engine's log-probs and policy version per sample, the reward parts
+        (unshaped) and stats."""
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         ds = self.dataset
         idx = indices_for_step(len(ds), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
@@ -59,13 +66,23 @@ class BatchMaker:
                 texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 rows.append(ds.rows[i])
         t1 = time.time()
-        scores = compute_rewards(self.reward_fn, cfg.reward, [ds.texts[i] for i in idx for _ in range(a.group_size)],
-                                 texts, rows)
-        shaped = self.shaper(scores)
+        prompt_texts = [ds.texts[i] for i in idx for _ in range(a.group_size)]
+        parts, extra = {}, {}
+        if self.reward_fn is not None:
+            parts["function"] = compute_rewards(self.reward_fn, cfg.reward, prompt_texts, texts, rows).tolist()
+        if self.monitor_fn is not None:
+            parts["monitor"] = compute_rewards(self.monitor_fn, cfg.reward, prompt_texts, texts, rows,
+                                               spec=f"reward.monitor {cfg.reward.monitor}").tolist()
+        if self.reward_inputs is not None:
+            ids = [self.reward_inputs(p, resp, row["prompt"], text)
+                   for p, resp, row, text in zip(prompt_ids, resp_ids, rows, texts)]
+            if cfg.reward.model.placement == "server":
+                parts["model_logits"] = self.client.score(ids)
+            else:
+                extra["reward_model_ids"] = ids  # scored by the trainer ranks
         reward_s = time.time() - t1
         gen_tokens = sum(len(x) for x in resp_ids)
-        stats = {"reward_mean": float(scores.mean()), "reward_std": float(scores.std()),
-                 "reward_max": float(scores.max()), "response_len": gen_tokens / len(resp_ids),
+        stats = {"response_len": gen_tokens / len(resp_ids),
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],
@@ -74,8 +91,10 @@ class BatchMaker:
                  "samples_sha1": hashlib.sha1(json.dumps(resp_ids).encode()).hexdigest()[:16]}
         if debug:
             log.debug("step %d: %d prompts x %d samples by policy version %s, response tokens %d, sample: %r -> %r "
-                      "(%.2f)", step + 1, len(idx), a.group_size, sorted(set(versions)), gen_tokens,
-                      ds.texts[idx[0]], texts[0], scores[0])
+                      "(%s)", step + 1, len(idx), a.group_size, sorted(set(versions)), gen_tokens,
+                      ds.texts[idx[0]], texts[0], {k: v[0] for k, v in parts.items()})
+        if self.reward_inputs is not None and self.reward_inputs.truncated:
+            stats["reward_model_truncated"] = self.reward_inputs.truncated
+            self.reward_inputs.truncated = 0
         return {"step": step, "prompts": prompt_ids, "responses": resp_ids, "rollout_logprobs": rollout_lp,
-                "versions": versions, "scores": shaped.tolist(), "stats": stats,
-                "shaper_state": self.shaper.state_dict()}
+                "versions": versions, "reward_parts": parts, "stats": stats, **extra}

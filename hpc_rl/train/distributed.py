@@ -8,6 +8,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..config import JobConfig
@@ -110,3 +111,15 @@ def all_reduce_scalar(value: float, op: str = "sum") -> float:
            "min": torch.distributed.ReduceOp.MIN}[op]
     torch.distributed.all_reduce(t, op=red)
     return float(t.item())
+
+
+def all_gather_floats(values) -> np.ndarray:
+    """Every rank's equally long float array, concatenated in rank order (float64)."""
+    local = torch.as_tensor(np.asarray(values, dtype=np.float64))
+    if not torch.distributed.is_initialized():
+        return local.numpy()
+    if torch.distributed.get_backend() == "nccl":
+        local = local.cuda()
+    out = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(out, local)
+    return torch.cat(out).cpu().numpy()

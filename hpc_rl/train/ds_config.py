@@ -28,13 +28,14 @@ def batch_sizes(cfg: JobConfig, world_size: int) -> tuple[int, int, int]:
     return t.mini_batch_size, micro, per_rank // micro
 
 
-def render(cfg: JobConfig, world_size: int, device_kind: str, train: bool = True) -> dict:
-    """The DeepSpeed config for an engine of this job (train=False: a frozen inference engine)."""
+def render(cfg: JobConfig, world_size: int, device_kind: str, train: bool = True, dtype: str | None = None) -> dict:
+    """The DeepSpeed config for an engine of this job (train=False: a frozen inference engine; dtype: its
+    precision when not model.dtype)."""
     total, micro, accum = batch_sizes(cfg, world_size)
     text = render_template(
         "deepspeed.json.j2",
         train_batch_size=total, micro_batch_size=micro, grad_accum=accum, grad_clip=cfg.trainer.grad_clip,
-        dtype=cfg.model.dtype, zero_stage=cfg.trainer.zero_stage,
+        dtype=dtype or cfg.model.dtype, zero_stage=cfg.trainer.zero_stage,
         # Tiny CPU models would otherwise keep every (small) parameter whole on every rank.
         param_persistence_threshold=0 if device_kind == "cpu" else 100000)
     ds = json.loads(text)

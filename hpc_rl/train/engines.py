@@ -15,25 +15,28 @@ from . import ds_config
 log = logging.getLogger("hpc_rl")
 
 
-def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, **config_kwargs):
+def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, dtype: str | None = None,
+                     trust_remote_code: bool | None = None, **config_kwargs):
     """Load under an active HfDeepSpeedConfig so ZeRO-3 partitions the weights while they load; config_kwargs
-    override the folder's config (keys the model class does not take, too)."""
+    override the folder's config (keys the model class does not take, too). dtype and trust_remote_code default
+    to the policy's."""
     from transformers import AutoConfig
     from transformers.integrations import HfDeepSpeedConfig
 
     check_model_dir(path)
+    trust = cfg.model.trust_remote_code if trust_remote_code is None else trust_remote_code
     kwargs = {}
     if config_kwargs:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust)
         for key, value in config_kwargs.items():
             setattr(config, key, value)
         kwargs["config"] = config
     keep_alive = HfDeepSpeedConfig(ds) if ds["zero_optimization"]["stage"] == 3 else None  # noqa: F841
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = auto_cls.from_pretrained(path, dtype=torch_dtype(cfg.model.dtype),
+        model = auto_cls.from_pretrained(path, dtype=torch_dtype(dtype or cfg.model.dtype),
                                          attn_implementation=cfg.model.attn_implementation,
-                                         trust_remote_code=cfg.model.trust_remote_code, **kwargs)
+                                         trust_remote_code=trust, **kwargs)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
@@ -107,6 +110,27 @@ def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
     engine.eval()
     engine._hpc_rl_keep = keep
     return engine
+
+
+def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
+    """The reward model (sequence classifier, frozen) as a ZeRO-3 inference engine: partitioned over the trainer
+    ranks like the reference model. Returns (engine, its tokenizer, the head's label to read)."""
+    import deepspeed
+    from transformers import AutoModelForSequenceClassification
+
+    from ..rewards.model import label_to_read, load_reward_tokenizer, read_head
+
+    rm = cfg.reward.model
+    label = label_to_read(read_head(rm.path), rm.label_index, rm.path)
+    tok = load_reward_tokenizer(rm)
+    ds = ds_config.render(cfg, world_size, device_kind, train=False, dtype=rm.dtype)
+    model, keep = _from_pretrained(AutoModelForSequenceClassification, rm.path, cfg, ds, dtype=rm.dtype,
+                                   trust_remote_code=rm.trust_remote_code, pad_token_id=tok.pad_token_id)
+    model.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=ds)
+    engine.eval()
+    engine._hpc_rl_keep = keep
+    return engine, tok, label
 
 
 def gather_state_dict(engine, on_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:

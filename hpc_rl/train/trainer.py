@@ -23,13 +23,15 @@ from ..errors import HpcRlError, RolloutError, TrainingError
 from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
+from ..rewards.base import RewardShaper, combine_rewards
+from ..rewards.model import HeadTap, forwards_needed, score_sequences
 from ..rollout.client import RolloutClient
 from ..rundir import RunDir, write_json_atomic
 from . import checkpoint
 from .batch_maker import BatchMaker
-from .distributed import DistInfo, all_reduce_scalar, broadcast_object, resolve_device_kind
+from .distributed import DistInfo, all_gather_floats, all_reduce_scalar, broadcast_object, resolve_device_kind
 from .ds_config import batch_sizes
-from .engines import build_actor, build_critic, build_reference, gather_state_dict
+from .engines import build_actor, build_critic, build_reference, build_reward_model, gather_state_dict
 from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward
 from .micro_batches import MicroBatch, plan, token_counts
 from .rollout_pipeline import RolloutPipeline
@@ -114,6 +116,17 @@ class Trainer:
         self.use_ref = a.kl.coef > 0 or a.kl.adaptive
         self.ref = build_reference(cfg, dist.world_size, self.device_kind) if self.use_ref else None
         self.kl_ctl = make_kl_controller(a.kl)
+        # The reward model on the trainer ranks (ZeRO-3 inference, partitioned like the reference).
+        self.reward_model, self.reward_tokenizer = None, None
+        rm = cfg.reward.model
+        if rm is not None and rm.placement == "trainer":
+            engine, self.reward_tokenizer, label = build_reward_model(cfg, dist.world_size, self.device_kind)
+            self.reward_model = HeadTap(engine, label)
+        elif rm is not None and dist.is_main:
+            from ..rewards.model import load_reward_tokenizer
+
+            self.reward_tokenizer = load_reward_tokenizer(rm)  # rank 0 tokenizes what the servers score
+        self.shaper = RewardShaper(cfg.reward)  # rank 0's: shapes each step's rewards in step order
         self.engines = {"actor": self.actor}
         if self.critic is not None:
             self.engines["critic"] = self.critic
@@ -122,9 +135,9 @@ class Trainer:
                       dist.rank, dist.world_size, dist.local_rank, os.uname().nodename, dist.device, dist.backend,
                       torch.get_num_threads(), os.getpid())
         if debug and dist.is_main:
-            log.debug("engines built in %.1fs: actor%s%s on %s x %d (%s)", time.time() - t0,
-                      " + critic" if self.critic else "", " + reference" if self.ref else "", self.device_kind,
-                      dist.world_size, dist.backend)
+            log.debug("engines built in %.1fs: actor%s%s%s on %s x %d (%s)", time.time() - t0,
+                      " + critic" if self.critic else "", " + reference" if self.ref else "",
+                      " + reward model" if self.reward_model else "", self.device_kind, dist.world_size, dist.backend)
         # Samples per no-grad forward and per backward (the DeepSpeed config's micro-batch).
         self.micro = batch_sizes(cfg, dist.world_size)[1]
         self.step = 0
@@ -166,9 +179,9 @@ class Trainer:
         cfg = self.cfg
         self.client = RolloutClient.from_run_dir(self.run, cfg)
         self.client.wait_ready(cfg.rollout_servers, cfg.rollout.startup_timeout_s)
-        self.maker = BatchMaker(cfg, self.tokenizer, self.client)
+        self.maker = BatchMaker(cfg, self.tokenizer, self.client, self.reward_tokenizer)
         if self._resumed:
-            self.maker.shaper.load_state_dict(self._resumed["shaper"])
+            self.shaper.load_state_dict(self._resumed["shaper"])
         r = cfg.rollout
         pending = self._resumed.get("pending") or []
         if pending and [b["step"] for b in pending] != list(range(self.step, self.step + len(pending))):
@@ -195,6 +208,7 @@ class Trainer:
         t_start = time.time()
         payload = self._rollout_batch(step)  # generated + scored on rank 0 (or ahead, by the pipeline); all ranks
         t_wait = time.time() - t_start
+        self._rewards(payload)
         shard = self._shard(payload)
         self._tokens = [0, 0]
         t0 = time.time()
@@ -240,6 +254,36 @@ class Trainer:
         if "fatal_error" in payload:
             raise _FatalStop(payload["fatal_error"])
         return payload
+
+    def _rewards(self, payload: dict) -> None:
+        """payload["scores"]: the reward parts combined (reward.weights) and shaped in step order on rank 0, after
+        the trainer ranks scored the samples with the reward model (placement trainer; collective)."""
+        parts = payload["reward_parts"]
+        if self.reward_model is not None:
+            t0 = time.time()
+            ids = payload["reward_model_ids"]
+            per_rank = len(ids) // self.dist.world_size
+            mine = ids[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
+            rm = self.cfg.reward.model
+            # Every rank runs as many forwards (ZeRO-3 gathers each layer from all of them).
+            logits = score_sequences(self.reward_model, mine, rm.batch_size, self.reward_tokenizer.pad_token_id,
+                                     self.dist.device, batches=forwards_needed(per_rank, rm.batch_size))
+            parts["model_logits"] = all_gather_floats(logits).tolist()
+            payload["stats"]["reward_model_seconds"] = time.time() - t0
+        scores = None
+        if self.dist.is_main:
+            try:
+                combined, stats = combine_rewards(parts, self.cfg.reward)
+                shaped = self.shaper(combined)
+                payload["stats"].update(stats)
+                payload["stats"].update(reward_shaped_mean=float(shaped.mean()), reward_shaped_std=float(shaped.std()))
+                scores = shaped.tolist()
+            except HpcRlError as e:
+                scores = {"fatal_error": str(e)}
+        scores = broadcast_object(scores)
+        if isinstance(scores, dict):
+            raise _FatalStop(scores["fatal_error"])
+        payload["scores"] = scores
 
     def _check_policy_lag(self, step: int, versions: list[int]) -> None:
         """No sample may come from a policy more than rollout.async_steps versions older than the trainer's."""
@@ -548,9 +592,9 @@ class Trainer:
         hf_sd = gather_state_dict(self.actor) if self.cfg.checkpoint.save_hf else None
         pending, shaper = None, None
         if self.dist.is_main:
-            # Batches generated ahead (async) belong to the checkpoint, and the reward shaper's state after them.
+            # Batches generated ahead (async) belong to the checkpoint; their rewards are shaped when trained on.
             pending = self.pipeline.pending(self.step)
-            shaper = pending[-1]["shaper_state"] if pending else self.maker.shaper.state_dict()
+            shaper = self.shaper.state_dict()
         state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": shaper,
                  "seed": self.cfg.seed}
         path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
