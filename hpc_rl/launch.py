@@ -386,7 +386,9 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     trainers: list[subprocess.Popen] = []
     try:
         devs = list(cfg.rollout.local_devices)
-        per = cfg.rollout.tensor_parallel
+        rm = cfg.reward.model
+        # A reward model on the servers takes the GPU after each server's tensor-parallel ones.
+        per = cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server" else 0)
         trainer_cpus, rollout_cpus = _local_cpus(cfg)
         keeper = ServerKeeper(run, cfg, list(range(n_servers)),
                               {k: devs[k * per:(k + 1) * per] for k in range(n_servers)} if devs else None,

@@ -173,10 +173,10 @@ class HeadTap:
         finally:
             if hook is not None:
                 hook.remove()
-        if seen and seen[0].dim() == 3:  # [B, T, labels]: read at the last real token
+        if seen and seen[0].dim() == 3 and seen[0].shape[-1] == self.num_labels:  # [B, T, labels]: at the last real token
             per_token = seen[0]
             pooled = per_token[torch.arange(n, device=per_token.device), last_token_index(attention_mask)]
-            return select_scores(pooled.float(), n, self.label_index, self.num_labels)
+            return pooled[:, self.label_index].float()
         logits = out.logits if hasattr(out, "logits") else out
         return select_scores(logits.float(), n, self.label_index, self.num_labels)
 

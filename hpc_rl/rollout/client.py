@@ -302,6 +302,18 @@ class RolloutClient:
         results = self._run_chunks("/logprobs", bodies, "logprobs")
         return [row for res in results for row in res["logprobs"]]
 
+    def score(self, token_ids: list[list[int]]) -> list[float]:
+        """Raw reward-model logits of the rows (reward.model.placement: server), split across the servers."""
+        if not token_ids:
+            return []
+        ranges = split_contiguous(len(token_ids), self._n_chunks())
+        results = self._run_chunks("/v1/score", [{"token_ids": token_ids[a:b]} for a, b in ranges], "reward model score")
+        out = [float(x) for res in results for x in res["logits"]]
+        if len(out) != len(token_ids):
+            raise RolloutError(f"reward model score: the servers returned {len(out)} scores for {len(token_ids)} "
+                               "samples; server and client versions differ")
+        return out
+
     # ------------------------------------------------------------------ weights
 
     def push_weights(self, named_tensors: Iterable, version: int) -> dict:

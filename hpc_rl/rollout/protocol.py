@@ -183,3 +183,19 @@ def parse_completions(body: Any, tokenize, vocab: int | None, max_model_len: int
             raise BadRequest(f"logprobs: {lp} top alternatives are not served; send 0 for the sampled tokens' "
                              "log-probs or null")
     return prompts, params, lp is not None
+
+
+def parse_score(body: Any, vocab: int | None, max_length: int) -> list[list[int]]:
+    """Validate a /v1/score body: {"token_ids": [[...], ...]}, each at most max_length reward-model tokens."""
+    body = _obj(body)
+    extra = sorted(set(body) - {"token_ids"})
+    if extra:
+        raise BadRequest(f"{extra[0]}: unknown field; /v1/score takes token_ids (the reward model's token ids of "
+                         "prompt + response, one list per sample)")
+    if "token_ids" not in body:
+        raise BadRequest("token_ids: missing; send a list of token-id lists (the reward model's tokens)")
+    rows = _token_lists(body["token_ids"], "token_ids", vocab)
+    for i, row in enumerate(rows):
+        if len(row) > max_length:
+            raise BadRequest(f"token_ids[{i}]: {len(row)} tokens exceed reward.model.max_length {max_length}")
+    return rows

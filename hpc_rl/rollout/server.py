@@ -289,6 +289,10 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
     service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
                              _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
     register_server_routes(service)  # /collective/*: the weight-sync group's server side
+    if cfg.reward.model is not None and cfg.reward.model.placement == "server":
+        from ..rewards.serving import register_score_route
+
+        register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]
     if cfg.rollout.host.startswith("127.") or cfg.rollout.host in ("localhost", "::1"):
