@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -394,3 +395,33 @@ def test_run_doctor_with_good_job(tmp_path, monkeypatch, capsys):
     names = {c["name"]: c["status"] for c in data["checks"]}
     assert names["job:spec"] == OK and names["job:reward"] == OK and names["job:pad-token"] == OK
     assert rc == (0 if data["ok"] else 1)
+
+
+def test_reward_model_folder_head_and_fit(tiny_model, tiny_reward_model, tmp_path):
+    def rm_check(**rm):
+        j = make_job(model={"path": str(tiny_model)}, reward={"model": rm}, trainer={"device": "cuda", "procs_per_node": 1})
+        return job.check_reward_model(Ctx(job=j, nvidia_smi=smi))
+
+    smi = {**SMI_2GPU, "gpus": [{**g, "memory_mib": 81559} for g in SMI_2GPU["gpus"]]}
+    r = rm_check(path=str(tiny_reward_model))
+    assert r.status == OK and "head label 0" in r.message and "on each of the 1 trainer GPUs" in r.message
+    # A causal LM is not a reward model (an untrained head would score noise).
+    r = rm_check(path=str(tiny_model))
+    assert r.status == FAIL and "is a Qwen2ForCausalLM, not a ...ForSequenceClassification" in r.message
+    two = tmp_path / "two-labels"
+    shutil.copytree(tiny_reward_model, two)
+    c = json.loads((two / "config.json").read_text())
+    c.update(num_labels=2, id2label={"0": "bad", "1": "good"}, label2id={"bad": 0, "good": 1})
+    (two / "config.json").write_text(json.dumps(c))
+    r = rm_check(path=str(two))
+    assert r.status == FAIL and "has 2 labels ({'0': 'bad', '1': 'good'})" in r.message and "label_index" in r.message
+    assert rm_check(path=str(two), label_index=1).status == OK
+    # Placement: the trainer GPUs also hold actor, critic and reference; a GPU of 1 MiB fits the tiny reward
+    # model alone (placement: server) but not next to the trained policy.
+    smi = {**SMI_2GPU, "gpus": [{**g, "memory_mib": 1} for g in SMI_2GPU["gpus"]]}
+    r = rm_check(path=str(tiny_reward_model))
+    assert r.status == FAIL and "reward.model.placement: server" in r.fix
+    assert rm_check(path=str(tiny_reward_model), placement="server").status == OK
+    # Without nvidia-smi the fit is left to a compute node, said so.
+    smi = None
+    assert "GPU memory unknown here" in rm_check(path=str(tiny_reward_model)).message

@@ -164,6 +164,13 @@ def check_reward(ctx: Ctx) -> list[Result]:
                           why if why.startswith("data.") else f"data.source {ctx.job.data.source}: {why}",
                           "fix data.source (prepare the data first: hpc-rl data ...); the reward was checked on "
                           "synthetic rows"))
+    if rc.monitor:
+        try:
+            load_reward_fn(rc.monitor, "reward.monitor")
+        except RewardError as e:
+            out.append(Result("job:reward-monitor", FAIL, str(e), "make the module importable and check the spelling"))
+    if not rc.function:
+        return out + [Result("job:reward", OK, "no reward function: the reward model alone scores (see job:reward-model)")]
     try:
         fn = load_reward_fn(rc.function)
     except RewardError as e:
@@ -181,6 +188,72 @@ def check_reward(ctx: Ctx) -> list[Result]:
                              "(batched: a 1-D sequence of B floats)")]
     return out + [Result("job:reward", OK, f"{rc.function} -> {[round(float(v), 4) for v in values]} on "
                           f"{len(rows)} {kind} rows")]
+
+
+def _weights_bytes(folder: Path, load_dtype: str | None) -> tuple[int, float]:
+    """(parameters, bytes once loaded in `load_dtype`) of an HF folder, from its weight files and saved dtype."""
+    cfg = json.loads((folder / "config.json").read_text())
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}
+    saved = size.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), 4)
+    files = [f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt")]
+    params = sum(f.stat().st_size for f in files) // saved
+    return params, params * size.get(load_dtype or "float32", 4)
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+@check("job:reward-model", needs_job=True)
+def check_reward_model(ctx: Ctx) -> Result:
+    """The reward model folder: a sequence-classification head of the right size, a usable pad token, and an
+    estimate of its memory where it is placed (trainer ranks: ZeRO-3 shares with actor, critic and reference)."""
+    from ..errors import HpcRlError
+    from ..rewards.model import check_reward_model as check_folder
+
+    j = ctx.job
+    rm = j.reward.model
+    name = "job:reward-model"
+    if rm is None:
+        return Result(name, OK, "no reward model")
+    if rm.tiny is not None:
+        return Result(name, OK, f"reward.model.tiny: the tiny reward model of {rm.tiny} is trained at run time")
+    if not Path(rm.path).is_dir():
+        return Result(name, FAIL, f"reward.model.path: {rm.path} does not exist here",
+                      "download the reward model first (compute nodes are often offline) or fix reward.model.path")
+    try:
+        label = check_folder(rm)
+    except HpcRlError as e:
+        return Result(name, FAIL, str(e), "fix reward.model as the message says")
+    dtype = rm.dtype or j.model.dtype
+    _, rm_bytes = _weights_bytes(Path(rm.path), dtype)
+    where = f"head label {label}, {_gib(rm_bytes)} of weights in {dtype}"
+    gpus = [g.get("memory_mib") for g in ((ctx.nvidia_smi or {}).get("gpus") or [])]
+    if j.trainer.device == "cpu":
+        return Result(name, OK, f"{rm.path}: {where}, on CPU ({rm.placement})")
+    if not gpus or not all(gpus):
+        return Result(name, OK, f"{rm.path}: {where}; GPU memory unknown here (no nvidia-smi): run "
+                      "`hpc-rl doctor --job` on a compute node to check that it fits")
+    gpu = min(gpus) * 2**20
+    if rm.placement == "server":
+        need = rm_bytes * 1.2  # activations of reward.model.batch_size sequences on top
+        what = "its own GPU on each rollout node"
+        fix = "use a smaller or bfloat16 reward model (reward.model.dtype)"
+    else:
+        policy = _model_dir(ctx)
+        world = j.world_size
+        # ZeRO-3 per rank: actor and critic train (weights, gradients, fp32 Adam states: ~16 bytes a parameter in
+        # mixed precision), the reference (weights only) and the reward model, each split over the ranks.
+        p_params = _weights_bytes(policy, j.model.dtype)[0] if policy is not None else 0
+        trained = 16 * p_params * (2 if j.algorithm.uses_critic else 1)
+        ref = p_params * (2 if j.model.dtype != "float32" else 4) if j.algorithm.kl.coef > 0 or j.algorithm.kl.adaptive else 0
+        need = (trained + ref + rm_bytes) / world * 1.2
+        what = f"each of the {world} trainer GPUs (actor, critic, reference and reward model, ZeRO-3 shards)"
+        fix = "use reward.model.placement: server (a GPU of its own on each rollout node) or more trainer GPUs"
+    if need > 0.9 * gpu:
+        return Result(name, FAIL, f"{rm.path}: {where}; about {_gib(need)} needed on {what}, but a GPU has "
+                      f"{_gib(gpu)}", fix)
+    return Result(name, OK, f"{rm.path}: {where}; about {_gib(need)} of {_gib(gpu)} on {what}")
 
 
 def _is_loopback(host: str) -> bool:

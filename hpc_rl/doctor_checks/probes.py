@@ -60,8 +60,10 @@ def torch_facts() -> dict:
 
 
 def nvidia_smi_facts() -> dict | None:
-    """Driver version, the CUDA version it supports and the GPUs, from nvidia-smi (None without one)."""
-    q = run_cmd(["nvidia-smi", "--query-gpu=index,uuid,name,driver_version", "--format=csv,noheader"], 15)
+    """Driver version, the CUDA version it supports and the GPUs (with their memory), from nvidia-smi (None
+    without one)."""
+    q = run_cmd(["nvidia-smi", "--query-gpu=index,uuid,name,driver_version,memory.total",
+                 "--format=csv,noheader,nounits"], 15)
     if q is None or q.returncode != 0:
         return None
     gpus, driver = [], None
@@ -70,6 +72,8 @@ def nvidia_smi_facts() -> dict | None:
         if len(parts) >= 4:
             gpus.append({"index": parts[0], "uuid": parts[1], "name": parts[2]})
             driver = parts[3]
+            if len(parts) >= 5 and parts[4].isdigit():
+                gpus[-1]["memory_mib"] = int(parts[4])
     cuda = None
     head = run_cmd(["nvidia-smi"], 15)
     if head is not None:
