@@ -11,9 +11,20 @@ from hpc_rl import config
 from hpc_rl.config import RewardConfig, RewardModelConfig
 from hpc_rl.errors import ConfigError, ModelError, RewardError
 from hpc_rl.rewards.base import combine_rewards
-from hpc_rl.rewards.model import (HeadTap, RewardInputs, check_reward_model, label_to_read, last_token_index,
-                                  load_reward_module, pad_right, read_head, same_tokenizer, score_sequences,
-                                  select_scores, transform)
+from hpc_rl.rewards.model import (
+    HeadTap,
+    RewardInputs,
+    check_reward_model,
+    label_to_read,
+    last_token_index,
+    load_reward_module,
+    pad_right,
+    read_head,
+    same_tokenizer,
+    score_sequences,
+    select_scores,
+    transform,
+)
 
 # ----------------------------------------------------------------------------- pooling and shapes
 
