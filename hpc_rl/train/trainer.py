@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,6 +123,11 @@ class Trainer:
         if rm is not None and rm.placement == "trainer":
             engine, self.reward_tokenizer, label = build_reward_model(cfg, dist.world_size, self.device_kind)
             self.reward_model = HeadTap(engine, label)
+            if dist.is_main:
+                shard = sum(p.ds_tensor.numel() * p.element_size() if hasattr(p, "ds_tensor") else p.numel() *
+                            p.element_size() for p in engine.module.parameters())
+                log.info("reward model %s on the trainer ranks: %.1f MiB of parameters on each (ZeRO-3 stage %d)",
+                         rm.path, shard / 2**20, cfg.trainer.zero_stage)
         elif rm is not None and dist.is_main:
             from ..rewards.model import load_reward_tokenizer
 
@@ -230,6 +236,10 @@ class Trainer:
         kl_tok = self._kl(fwd)
         computed, real = self._tokens
         stats["pad_fraction"] = 1.0 - real / computed if computed else 0.0
+        # Peak memory of a trainer rank so far (the max over ranks): what a reward model or a longer batch adds.
+        stats["rank_peak_rss_mib_max"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        if self.dist.device.type == "cuda":
+            stats["rank_peak_gpu_mib_max"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**20
         t0 = time.time()
         sync = self._sync_weights(step, payload)
         t_sync = time.time() - t0
@@ -258,6 +268,8 @@ class Trainer:
     def _rewards(self, payload: dict) -> None:
         """payload["scores"]: the reward parts combined (reward.weights) and shaped in step order on rank 0, after
         the trainer ranks scored the samples with the reward model (placement trainer; collective)."""
+        if "reward_parts" not in payload:  # a batch generated ahead by a version before reward parts: shaped
+            return
         parts = payload["reward_parts"]
         if self.reward_model is not None:
             t0 = time.time()
@@ -266,10 +278,15 @@ class Trainer:
             mine = ids[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
             rm = self.cfg.reward.model
             # Every rank runs as many forwards (ZeRO-3 gathers each layer from all of them).
+            forwards = forwards_needed(per_rank, rm.batch_size)
             logits = score_sequences(self.reward_model, mine, rm.batch_size, self.reward_tokenizer.pad_token_id,
-                                     self.dist.device, batches=forwards_needed(per_rank, rm.batch_size))
+                                     self.dist.device, batches=forwards)
             parts["model_logits"] = all_gather_floats(logits).tolist()
             payload["stats"]["reward_model_seconds"] = time.time() - t0
+            if debug and self.dist.is_main:
+                log.debug("reward model: %d samples on this rank in %d forward(s) of <= %d, longest %d tokens, "
+                          "%.2fs", per_rank, forwards, rm.batch_size, max(map(len, mine), default=0),
+                          time.time() - t0)
         scores = None
         if self.dist.is_main:
             try:
