@@ -35,8 +35,8 @@ def make_job(side: str, steps: int, model: Path, rm: Path) -> dict:
     job["name"] = "rm-bench"
     if side == "rule function":
         job["reward"] = {"function": "hpc_rl.rewards.toy:repeat_digit"}
-    else:
-        job["reward"]["model"] = {"path": str(rm)}
+    else:  # the job's reward-model settings, the folder built once instead of `tiny`
+        job["reward"]["model"] = {**{k: v for k, v in job["reward"]["model"].items() if k != "tiny"}, "path": str(rm)}
     return job
 
 
