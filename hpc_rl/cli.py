@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("logs", help="show a run's logs")
     p.add_argument("run", help="a run name or run dir")
-    p.add_argument("--role", choices=["trainer", "rollout", "all"], default="all")
+    p.add_argument("--role", choices=["trainer", "rollout", "reward", "all"], default="all")
     p.add_argument("--follow", "-f", action="store_true")
     p.add_argument("--runs-dir", default="runs")
 

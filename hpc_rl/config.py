@@ -126,6 +126,9 @@ class RewardConfig:
     batched: bool = False
     # A sequence-classification reward model; null: none.
     model: RewardModelConfig | None = None
+    # Nodes of their own for the reward model (placement: server): one reward server on each, after the rollout
+    # nodes; 0: each rollout server hosts it, on a GPU of its own.
+    nodes: int = 0
     # Weights of the parts when both are given: {function: w, model: w} (a missing part weighs 1.0).
     weights: dict = field(default_factory=dict)
     # A rule-based score `pkg.mod:fn` (same signature as function) that is logged as monitor_mean, never trained on.
@@ -740,6 +743,10 @@ def _validate_reward(cfg: JobConfig, need) -> None:
              f"reward.weights.{key}: expected a finite number, got {w!r}")
         need(key in rw.parts, f"reward.weights.{key}: this job has no reward {key}; remove the weight or set "
              f"reward.{key}")
+    need(rw.nodes >= 0, f"reward.nodes must be >= 0; got {rw.nodes}")
+    need(not rw.nodes or (rm is not None and rm.placement == "server"),
+         "reward.nodes: nodes of their own serve a reward model; set reward.model with placement: server, or "
+         "reward.nodes: 0")
     if rm is None:
         return
     need((rm.path is None) != (rm.tiny is None), "reward.model: set exactly one of reward.model.path (an HF folder "
@@ -749,6 +756,13 @@ def _validate_reward(cfg: JobConfig, need) -> None:
     need(rm.batch_size >= 1, f"reward.model.batch_size must be >= 1; got {rm.batch_size}")
     need(rm.scale != 0, "reward.model.scale must not be 0 (every sample would score the same)")
     r, s = cfg.rollout, cfg.slurm
+    if rw.nodes:
+        need(not r.local_devices or (len(r.local_devices) - rw.nodes) % r.tensor_parallel == 0 and
+             len(r.local_devices) > rw.nodes,
+             f"rollout.local_devices: with reward.nodes {rw.nodes} its last {rw.nodes} GPU(s) go to the reward "
+             f"servers and the rest to rollout servers of rollout.tensor_parallel {r.tensor_parallel} GPUs each; "
+             f"got {len(r.local_devices)}")
+        return
     if rm.placement == "server" and s.gpus_per_node and cfg.trainer.device != "cpu":
         gpus = s.rollout_gpus_per_node or s.gpus_per_node
         need((r.tensor_parallel + 1) * r.servers_per_node <= gpus,

@@ -140,8 +140,9 @@ def cpu_threads(cfg: JobConfig, processes: int, kind: str, cpus: list[int] | Non
 
 
 def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list | None = None,
-                         cpus: list[int] | None = None) -> subprocess.Popen:
-    """One rollout server process (pinned to `cpus` when given); its output goes to logs/rollout-K.log."""
+                         cpus: list[int] | None = None, kind: str = "rollout") -> subprocess.Popen:
+    """One rollout server process (kind "reward": a reward node's reward server), pinned to `cpus` when given;
+    its output goes to logs/KIND-K.log."""
     env = _base_env(cfg)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -149,8 +150,10 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     if cpus:  # vLLM's CPU worker binds its threads to the cores it was given
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     run.logs.mkdir(parents=True, exist_ok=True)
-    logf = open(run.logs / f"rollout-{index}.log", "ab")
+    logf = open(run.logs / f"{kind}-{index}.log", "ab")
     cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
+    if kind != "rollout":
+        cmd += ["--role", kind]
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent(cpus))
 
@@ -160,13 +163,14 @@ MAX_SERVER_RESTARTS = 3
 
 @dataclass
 class ServerFailure:
-    """A rollout server this launcher gave up on."""
+    """A rollout (or reward) server this launcher gave up on."""
 
     index: int
     code: int | None
     node: str
     served: bool
     error: str
+    kind: str = "rollout"
 
     def line(self) -> str:
         how = (f"was killed by {signal.Signals(-self.code).name}" if self.code is not None and self.code < 0
@@ -177,29 +181,35 @@ class ServerFailure:
             when = "with a user error (not retried)"
         else:
             when = f"after it served, out of its {MAX_SERVER_RESTARTS} restarts"
-        return (f"rollout server {self.index} on node {self.node} {how} {when}: {self.error} "
-                f"(full log: logs/rollout-{self.index}.log)")
+        return (f"{self.kind} server {self.index} on node {self.node} {how} {when}: {self.error} "
+                f"(full log: logs/{self.kind}-{self.index}.log)")
 
 
 class ServerKeeper:
-    """This launcher's rollout servers. One that crashes after it served is restarted on this node (at most
-    MAX_SERVER_RESTARTS times); one that dies before it ever served, or exits with a user error (code 2), is
-    given up at once: startup failures repeat, and a run must not wait for a server that cannot come.
-    `procs` is updated in place, so stop_processes always sees the live ones."""
+    """This launcher's servers, each (kind, index): rollout servers and reward nodes' reward servers. One that
+    crashes after it served is restarted on this node (at most MAX_SERVER_RESTARTS times); one that dies before
+    it ever served, or exits with a user error (code 2), is given up at once: startup failures repeat, and a run
+    must not wait for a server that cannot come. `procs` is updated in place, so stop_processes always sees the
+    live ones."""
 
-    def __init__(self, run: RunDir, cfg: JobConfig, indices: list[int], devices: dict | None = None,
+    def __init__(self, run: RunDir, cfg: JobConfig, indices: list, devices: dict | None = None,
                  cpus: list[int] | None = None):
         self.run, self.cfg = run, cfg
         self.devices = devices or {}
         self.cpus = cpus
-        self.indices = list(indices)
-        self.procs = [start_rollout_server(run, cfg, k, self.devices.get(k), cpus) for k in self.indices]
-        self.restarts = {k: 0 for k in self.indices}
-        self.served = {k: False for k in self.indices}
-        self.stopped: set[int] = set()  # exited cleanly (asked to stop)
+        # Plain integers are rollout servers.
+        self.indices = [k if isinstance(k, tuple) else ("rollout", k) for k in indices]
+        self.procs = [self._start(e) for e in self.indices]
+        self.restarts = {e: 0 for e in self.indices}
+        self.served = {e: False for e in self.indices}
+        self.stopped: set = set()  # exited cleanly (asked to stop)
 
-    def _serving(self, k: int, p: subprocess.Popen) -> bool:
-        info = read_json(self.run.rollout_file(k))
+    def _start(self, entry: tuple) -> subprocess.Popen:
+        kind, k = entry
+        return start_rollout_server(self.run, self.cfg, k, self.devices.get(entry), self.cpus, kind)
+
+    def _serving(self, entry: tuple, p: subprocess.Popen) -> bool:
+        info = read_json(self.run.rollout_file(entry[1], entry[0]))
         return bool(info and info.get("pid") == p.pid)
 
     def check(self) -> ServerFailure | None:
@@ -207,29 +217,31 @@ class ServerKeeper:
         thread); returns the failure of one given up on."""
         if self.run.done_file.exists():
             return None
-        for j, (k, p) in enumerate(zip(self.indices, self.procs)):
+        for j, (e, p) in enumerate(zip(self.indices, self.procs)):
+            kind, k = e
             code = p.poll()
-            if code is None or not self.served[k]:
-                self.served[k] = self.served[k] or self._serving(k, p)
+            if code is None or not self.served[e]:
+                self.served[e] = self.served[e] or self._serving(e, p)
             if code is None:
                 continue
             node = os.uname().nodename
             # A clean exit (0, SIGTERM) was asked for (Slurm ending the job, scancel): not restarted, and
-            # not a failure of the run (the others go on); a rollout node with none left ends.
+            # not a failure of the run (the others go on); a node with none left ends.
             if code in (0, -signal.SIGTERM):
-                if k not in self.stopped:
-                    self.stopped.add(k)
-                    log.warning("rollout server %d on %s stopped (%s); not restarted", k, node,
+                if e not in self.stopped:
+                    self.stopped.add(e)
+                    log.warning("%s server %d on %s stopped (%s); not restarted", kind, k, node,
                                 "exit 0" if code == 0 else "SIGTERM")
                 continue
-            if code == 2 or not self.served[k] or self.restarts[k] >= MAX_SERVER_RESTARTS:
-                return ServerFailure(k, code, node, self.served[k], last_error_line(self.run.logs / f"rollout-{k}.log"))
-            self.restarts[k] += 1
-            log.warning("rollout server %d exited with code %s on %s; restarting it (%d/%d). Last lines of "
-                        "logs/rollout-%d.log:\n%s", k, code, node, self.restarts[k],
-                        MAX_SERVER_RESTARTS, k, "\n".join(tail_lines(self.run.logs / f"rollout-{k}.log", 5)))
-            self.run.rollout_file(k).unlink(missing_ok=True)  # the old address is gone; the new one is published
-            self.procs[j] = start_rollout_server(self.run, self.cfg, k, self.devices.get(k), self.cpus)
+            logf = self.run.logs / f"{kind}-{k}.log"
+            if code == 2 or not self.served[e] or self.restarts[e] >= MAX_SERVER_RESTARTS:
+                return ServerFailure(k, code, node, self.served[e], last_error_line(logf), kind)
+            self.restarts[e] += 1
+            log.warning("%s server %d exited with code %s on %s; restarting it (%d/%d). Last lines of "
+                        "logs/%s-%d.log:\n%s", kind, k, code, node, self.restarts[e],
+                        MAX_SERVER_RESTARTS, kind, k, "\n".join(tail_lines(logf, 5)))
+            self.run.rollout_file(k, kind).unlink(missing_ok=True)  # the old address is gone; the new one is published
+            self.procs[j] = self._start(e)
         return None
 
 
@@ -386,15 +398,20 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     trainers: list[subprocess.Popen] = []
     try:
         devs = list(cfg.rollout.local_devices)
-        rm = cfg.reward.model
-        # A reward model on the servers takes the GPU after each server's tensor-parallel ones.
-        per = cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server" else 0)
+        rm, n_reward = cfg.reward.model, cfg.reward.nodes
+        # A reward model on the servers takes the GPU after each server's tensor-parallel ones; reward nodes'
+        # servers (one per reward node, on this machine) take the last GPUs of rollout.local_devices.
+        per = cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server" and not n_reward else 0)
         trainer_cpus, rollout_cpus = _local_cpus(cfg)
-        keeper = ServerKeeper(run, cfg, list(range(n_servers)),
-                              {k: devs[k * per:(k + 1) * per] for k in range(n_servers)} if devs else None,
-                              rollout_cpus)
+        entries = [("rollout", k) for k in range(n_servers)] + [("reward", k) for k in range(n_reward)]
+        devices = None
+        if devs:
+            devices = {("rollout", k): devs[k * per:(k + 1) * per] for k in range(n_servers)}
+            devices.update({("reward", k): [devs[len(devs) - n_reward + k]] for k in range(n_reward)})
+        keeper = ServerKeeper(run, cfg, entries, devices, rollout_cpus)
         servers = keeper.procs
-        log.info("run dir %s: %d rollout server(s), %d trainer rank(s)", run.root, n_servers, cfg.world_size)
+        log.info("run dir %s: %d rollout server(s)%s, %d trainer rank(s)", run.root, n_servers,
+                 f", {n_reward} reward server(s)" if n_reward else "", cfg.world_size)
         if cfg.trainer.nodes != 1:
             log.warning("trainer.nodes=%d: a local run uses this machine only (%d ranks)", cfg.trainer.nodes,
                         cfg.trainer.procs_per_node)
@@ -460,9 +477,9 @@ def publish_master(run: RunDir) -> dict:
 def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
     cfg = config.load(run.job_yaml)
-    expected = cfg.trainer.nodes + cfg.rollout.nodes
+    expected = cfg.trainer.nodes + cfg.rollout.nodes + cfg.reward.nodes
     if num_nodes != expected:
-        raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes + rollout.nodes = {expected}; "
+        raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes + rollout.nodes + reward.nodes = {expected}; "
                          "submit with hpc-rl submit so the node count matches the spec")
     if node_index < cfg.trainer.nodes:
         if node_index == 0:
@@ -476,11 +493,19 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
         ranks = start_trainer_ranks(run, cfg, node_index, master["addr"], int(master["port"]))
         _node_trainers[:] = ranks
         return wait_trainers(run, ranks, [])
-    first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
-    keeper = ServerKeeper(run, cfg, list(range(first, first + cfg.rollout.servers_per_node)))
+    if node_index < cfg.trainer.nodes + cfg.rollout.nodes:
+        first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
+        entries = [("rollout", k) for k in range(first, first + cfg.rollout.servers_per_node)]
+    else:  # a reward node: one reward server
+        entries = [("reward", node_index - cfg.trainer.nodes - cfg.rollout.nodes)]
+    return _serve_node(run, cfg, node_index, entries)
+
+
+def _serve_node(run: RunDir, cfg: JobConfig, node_index: int, entries: list[tuple]) -> int:
+    """A rollout or reward node: keep its servers up until the run is done; a server given up on ends the job."""
+    keeper = ServerKeeper(run, cfg, entries)
     servers = keeper.procs
-    log.info("node %d (%s): rollout server(s) %s", node_index, os.uname().nodename,
-             list(range(first, first + len(servers))))
+    log.info("node %d (%s): %s", node_index, os.uname().nodename, ", ".join(f"{kind} server {k}" for kind, k in entries))
     try:
         while True:
             if run.done_file.exists():
@@ -491,12 +516,13 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
                 # A non-zero exit ends the whole Slurm step (--kill-on-bad-exit); the trainer's client, on
                 # another node, also reads this file and stops with the same line.
                 line = failure.line()
-                write_json_atomic(run.server_failure_file(failure.index), {**asdict(failure), "message": line})
+                write_json_atomic(run.server_failure_file(failure.index, failure.kind),
+                                  {**asdict(failure), "message": line})
                 log.error("%s; stopping the job", line)
                 stop_processes(servers)
                 return failure.code if failure.code and failure.code > 0 else 1
             if len(keeper.stopped) == len(servers):
-                log.info("rollout server(s) on this node stopped; node done")
+                log.info("server(s) on this node stopped; node done")
                 return 0
             time.sleep(1.0)
     finally:

@@ -76,13 +76,14 @@ class RunDir:
         """The tiny reward model built for this run (reward.model.tiny)."""
         return self.root / "reward-model-init"
 
-    def rollout_file(self, index: int) -> Path:
-        """Written by rollout server `index` once it serves: {index, host, port, url, hostname, pid, engine}."""
-        return self.rendezvous / f"rollout-{index}.json"
+    def rollout_file(self, index: int, kind: str = "rollout") -> Path:
+        """Written by server `index` of `kind` (rollout, or reward on reward nodes) once it serves: {index, host,
+        port, url, hostname, pid, engine}."""
+        return self.rendezvous / f"{kind}-{index}.json"
 
-    def server_failure_file(self, index: int) -> Path:
-        """Written by the launcher of rollout server `index` when it gives up on it: {index, node, code, error}."""
-        return self.rendezvous / f"failed-rollout-{index}.json"
+    def server_failure_file(self, index: int, kind: str = "rollout") -> Path:
+        """Written by the launcher of server `index` of `kind` when it gives up on it: {index, node, code, error}."""
+        return self.rendezvous / f"failed-{kind}-{index}.json"
 
     @property
     def master_file(self) -> Path:

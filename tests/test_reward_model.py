@@ -238,3 +238,25 @@ def test_tiny_reward_model_ranks_held_out_pairs(tiny_reward_model):
     acc = ranking_accuracy(model, held_out, tok.pad_token_id)
     print(f"tiny reward model: {acc:.3f} of 1000 held-out pairs ranked correctly")
     assert acc >= 0.9
+
+
+def test_reward_nodes_have_a_role_and_a_place_in_the_job():
+    from hpc_rl.cluster.layout import describe, node_roles, role_of, total_nodes
+    from hpc_rl.cluster.render import render
+
+    cfg = config.load_dict({"model": {"path": "m"}, "trainer": {"nodes": 2}, "rollout": {"nodes": 1},
+                            "reward": {"nodes": 2, "model": {"path": "r", "placement": "server"}}})
+    assert total_nodes(cfg) == 5
+    assert [role_of(cfg, i) for i in range(5)] == ["trainer", "trainer", "rollout", "reward", "reward"]
+    assert [(n.role, n.role_index) for n in node_roles(cfg)][3:] == [("reward", 0), ("reward", 1)]
+    assert describe(cfg)[4] == "node 4: reward 1 (1 reward server (the reward model only))"
+    # hetjob: the reward nodes join the rollout component.
+    cfg.slurm.layout = "hetjob"
+    script = render(cfg, "/runs/x")
+    trainer_part, rollout_part = script.split("#SBATCH hetjob")
+    assert "#SBATCH --nodes=2" in trainer_part and "#SBATCH --nodes=3" in rollout_part.split("\n\n")[0]
+    with pytest.raises(ConfigError, match="reward.nodes: nodes of their own serve a reward model"):
+        config.load_dict({"model": {"path": "m"}, "reward": {"nodes": 1, "model": {"path": "r"}}})
+    with pytest.raises(ConfigError, match="its last 1 GPU"):
+        config.load_dict({"model": {"path": "m"}, "rollout": {"local_devices": [0], "tensor_parallel": 1},
+                          "reward": {"nodes": 1, "model": {"path": "r", "placement": "server"}}})

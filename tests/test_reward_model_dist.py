@@ -88,3 +88,45 @@ def test_reward_model_on_a_rollout_server(tiny_reward_model, tiny_model, tmp_pat
         assert "reward model" in (run.logs / "rollout-0.log").read_text()
     finally:
         stop_server(proc)
+
+
+def _run(tmp_path, *overrides):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(repo / "jobs" / "toy-ppo-rm-cpu.yaml"),
+                           "checkpoint.every=0", "trainer.steps=3", "reward.model.placement=server", "reward.nodes=1",
+                           *overrides], capture_output=True, text=True, cwd=tmp_path, timeout=900)
+
+
+def test_reward_node_server_scores_for_the_run(tiny_reward_model, tmp_path):
+    """reward.nodes=1 in `hpc-rl run`: a reward server of its own (logs/reward-0.log, the run's token), the rollout
+    server does not load the reward model, and the steps carry its scores."""
+    from hpc_rl.metrics import read_metrics
+
+    r = _run(tmp_path, f"reward.model.path={tiny_reward_model}", "reward.model.tiny=null")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    reward_log = (run / "logs" / "reward-0.log").read_text()
+    assert "reward model" in reward_log and "reward server 0 serving http://" in reward_log
+    assert "reward model" not in (run / "logs" / "rollout-0.log").read_text()
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 3 and all("reward_model_logit_mean" in row and "monitor_mean" in row for row in rows)
+
+
+def test_reward_server_that_cannot_start_ends_the_run_in_one_line(tiny_reward_model, tmp_path):
+    """A reward model whose weights do not load (its config and tokenizer do: the run starts): the reward server
+    dies before it serves and the run stops at once with one line naming it and its log."""
+    import shutil
+
+    broken = tmp_path / "broken-rm"
+    shutil.copytree(tiny_reward_model, broken)
+    for f in broken.glob("*.safetensors"):
+        f.write_bytes(b"not a safetensors file")
+    r = _run(tmp_path, f"reward.model.path={broken}", "reward.model.tiny=null")
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in (r.stdout + r.stderr).splitlines() if "reward server 0 on node" in ln]
+    assert lines and "exited with code 1 before it served (a startup failure is not retried)" in lines[0], lines
+    assert "(full log: logs/reward-0.log)" in lines[0]

@@ -202,3 +202,24 @@ def test_async_rollouts_across_a_trainer_node_and_a_rollout_node(slurm_cluster, 
     assert "policy_version 5" in (run / "logs" / "rollout-0.log").read_text()
     pending = json.loads((run / "checkpoints" / "step_3" / "pending_batches.json").read_text())
     assert [b["step"] for b in pending] == [3] and set(pending[0]["versions"]) == {2}
+
+
+@pytest.mark.slow
+def test_reward_node_of_a_hetjob_serves_the_reward_model(slurm_cluster, tmp_path):
+    """reward.nodes=1 in a heterogeneous job: the trainer component (n1) and the rollout component of a rollout node
+    and a reward node; the reward node serves the reward model alone and the run trains on its scores."""
+    p = hpc_rl("submit", "jobs/toy-ppo-rm-cpu.yaml", f"output_dir={tmp_path}", "slurm.layout=hetjob", "trainer.nodes=1",
+               "rollout.nodes=1", "reward.nodes=1", "reward.model.placement=server", "trainer.steps=3",
+               "checkpoint.every=0", timeout=300)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900,
+                     f"heterogeneous job {job_id} with a reward node to end", poll_s=5)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    reward_out = (run / "submitit" / f"{job_id}_rollout_1_log.out").read_text()
+    assert "node 2/3 on " in reward_out and ": reward" in reward_out, reward_out
+    host = reward_out.split("node 2/3 on ")[1].split()[0]
+    assert f"reward server 0 serving http://{NODE_ADDRS[host]}:" in (run / "logs" / "reward-0.log").read_text()
+    assert "reward model" not in (run / "logs" / "rollout-0.log").read_text()
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and all("reward_model_logit_mean" in r for r in rows)

@@ -1,4 +1,5 @@
-"""Which node of a job does what: trainer nodes first, then rollout nodes (one submitit task per node)."""
+"""Which node of a job does what: trainer nodes first, then rollout nodes, then reward nodes (one submitit task
+per node)."""
 
 from __future__ import annotations
 
@@ -11,21 +12,23 @@ from ..errors import ConfigError
 @dataclass(frozen=True)
 class NodeRole:
     index: int          # node index inside the job (submitit JobEnvironment().node)
-    role: str           # "trainer" or "rollout"
+    role: str           # "trainer", "rollout" or "reward"
     role_index: int     # index among nodes of the same role
-    procs: int          # trainer ranks or rollout servers started on this node
+    procs: int          # trainer ranks, rollout servers or reward servers started on this node
 
 
 def total_nodes(cfg: JobConfig) -> int:
-    """Nodes of the whole job: trainer.nodes + rollout.nodes."""
-    return cfg.trainer.nodes + cfg.rollout.nodes
+    """Nodes of the whole job: trainer.nodes + rollout.nodes + reward.nodes."""
+    return cfg.trainer.nodes + cfg.rollout.nodes + cfg.reward.nodes
 
 
 def role_of(cfg: JobConfig, node_index: int) -> str:
-    """'trainer' for node_index < trainer.nodes, else 'rollout'."""
+    """'trainer' for node_index < trainer.nodes, then 'rollout' for the rollout nodes, then 'reward'."""
     if not 0 <= node_index < total_nodes(cfg):
         raise ValueError(f"node index {node_index} outside a job of {total_nodes(cfg)} nodes")
-    return "trainer" if node_index < cfg.trainer.nodes else "rollout"
+    if node_index < cfg.trainer.nodes:
+        return "trainer"
+    return "rollout" if node_index < cfg.trainer.nodes + cfg.rollout.nodes else "reward"
 
 
 def node_roles(cfg: JobConfig) -> list[NodeRole]:
@@ -33,6 +36,7 @@ def node_roles(cfg: JobConfig) -> list[NodeRole]:
     out = [NodeRole(i, "trainer", i, cfg.trainer.procs_per_node) for i in range(cfg.trainer.nodes)]
     out += [NodeRole(cfg.trainer.nodes + k, "rollout", k, cfg.rollout.servers_per_node)
             for k in range(cfg.rollout.nodes)]
+    out += [NodeRole(cfg.trainer.nodes + cfg.rollout.nodes + k, "reward", k, 1) for k in range(cfg.reward.nodes)]
     return out
 
 
@@ -51,7 +55,8 @@ def describe(cfg: JobConfig) -> list[str]:
     """One line per node for `submit --dry-run`."""
     lines = []
     for n in node_roles(cfg):
-        what = f"{n.procs} trainer rank(s)" if n.role == "trainer" else \
-            f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}"
+        what = {"trainer": f"{n.procs} trainer rank(s)",
+                "rollout": f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}",
+                "reward": "1 reward server (the reward model only)"}[n.role]
         lines.append(f"node {n.index}: {n.role} {n.role_index} ({what})")
     return lines

@@ -129,9 +129,10 @@ def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) 
 
 
 def _role_of_log(path: Path, trainer_nodes: int) -> str | None:
-    """'trainer'/'rollout' for a log file, None for files of the whole job (batch script)."""
+    """'trainer'/'rollout'/'reward' for a log file (Slurm's task logs of reward nodes count as rollout: the
+    non-trainer side), None for files of the whole job (batch script)."""
     name = path.name
-    for role in ("trainer", "rollout"):
+    for role in ("trainer", "rollout", "reward"):
         if role in name:
             return role
     parts = name.split("_")
@@ -141,7 +142,7 @@ def _role_of_log(path: Path, trainer_nodes: int) -> str | None:
 
 
 def log_files(run: RunDir, role: str = "all") -> list[Path]:
-    """The run's log files (submitit task logs, then RUN/logs/*) for `role` (trainer, rollout, all)."""
+    """The run's log files (submitit task logs, then RUN/logs/*) for `role` (trainer, rollout, reward, all)."""
     slurm = read_json(run.root / SLURM_JSON) or {}
     trainer_nodes = int(slurm.get("trainer_nodes", 1))
     files = sorted((run.root / "submitit").glob("*.out")) + sorted((run.root / "submitit").glob("*.err"))

@@ -237,7 +237,7 @@ def check_reward_model(ctx: Ctx) -> Result:
     gpu = min(gpus) * 2**20
     if rm.placement == "server":
         need = rm_bytes * 1.2  # activations of reward.model.batch_size sequences on top
-        what = "its own GPU on each rollout node"
+        what = "a GPU of each reward node" if j.reward.nodes else "its own GPU on each rollout server"
         fix = "use a smaller or bfloat16 reward model (reward.model.dtype)"
     else:
         policy = _model_dir(ctx)

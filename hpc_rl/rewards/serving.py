@@ -14,16 +14,46 @@ from .model import HeadTap, load_reward_module, score_sequences
 log = logging.getLogger("hpc_rl")
 
 
-def reward_device(cfg: JobConfig, device: str) -> str:
-    """The reward model's device on a rollout server: the GPU after the engine's tensor-parallel ones (validated
-    at load to exist), so that no GPU serves two components; the CPU on CPU."""
-    return f"cuda:{cfg.rollout.tensor_parallel}" if str(device).startswith("cuda") else "cpu"
+def reward_device(cfg: JobConfig, device: str, own_device: bool = False) -> str:
+    """The reward model's device: on a rollout server the GPU after the engine's tensor-parallel ones (validated
+    at load to exist), so that no GPU serves two components; on a reward node's server (own_device) its first
+    GPU; the CPU on CPU."""
+    if not str(device).startswith("cuda"):
+        return "cpu"
+    return "cuda:0" if own_device else f"cuda:{cfg.rollout.tensor_parallel}"
 
 
-def register_score_route(service, cfg: JobConfig, device: str) -> None:
+class RewardService:
+    """What the HTTP app needs of a server that only scores (reward nodes): routes, counters, health."""
+
+    engine = None
+
+    def __init__(self, model_path: str):
+        self.model_path = model_path
+        self.routes: dict = {}
+        self.started = time.time()
+        self._counters = {"requests": 0, "errors": 0}
+        self._lock = threading.Lock()
+
+    def add_route(self, method: str, path: str, fn) -> None:
+        self.routes[(method.upper(), path.rstrip("/"))] = fn
+
+    def count(self, key: str, inc: float = 1) -> None:
+        with self._lock:
+            self._counters[key] += inc
+
+    def health(self) -> dict:
+        return {"status": "ok", "engine": "reward-model", "model": self.model_path}
+
+    def metrics(self) -> dict:
+        with self._lock:
+            return {**self._counters, "uptime_s": round(time.time() - self.started, 3)}
+
+
+def register_score_route(service, cfg: JobConfig, device: str, own_device: bool = False) -> None:
     """Load the reward model on its device and serve POST /v1/score: {token_ids} -> {logits} (raw, one per row)."""
     rm = cfg.reward.model
-    dev = reward_device(cfg, device)
+    dev = reward_device(cfg, device, own_device)
     t0 = time.time()
     module, tok, label = load_reward_module(rm, cfg, dev)
     tap = HeadTap(module, label)

@@ -124,13 +124,23 @@ def make_router(service) -> APIRouter:
     async def health():
         return json_response(service.health())
 
-    @r.get("/version")
-    async def version():
-        return json_response({"policy_version": service.policy_version})
-
     @r.get("/metrics")
     async def metrics():
         return json_response(service.metrics())
+
+    if getattr(service, "engine", None) is not None:  # a reward server (reward nodes) only scores
+        _engine_routes(r, service, call)
+    for (method, path), fn in service.routes.items():
+        r.add_api_route(path, _json_route(fn, call, method), methods=[method])
+    return r
+
+
+def _engine_routes(r: APIRouter, service, call) -> None:
+    """Generation, log-probs and weight loads: the endpoints of a server with an engine."""
+
+    @r.get("/version")
+    async def version():
+        return json_response({"policy_version": service.policy_version})
 
     @r.post("/generate")
     async def generate(request: Request):
@@ -152,10 +162,6 @@ def make_router(service) -> APIRouter:
     async def weights(request: Request):
         version, bucket, final = weights_query(request.url.query)
         return json_response(await call(service.push_bucket, await request.body(), version, bucket, final))
-
-    for (method, path), fn in service.routes.items():
-        r.add_api_route(path, _json_route(fn, call, method), methods=[method])
-    return r
 
 
 def _json_route(fn, call, method: str):

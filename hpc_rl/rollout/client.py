@@ -68,8 +68,9 @@ class RolloutClient:
     """Talks to every rollout server of a run; see the module doc of hpc_rl.rollout for the API."""
 
     def __init__(self, run: RunDir, token: str, timeout_s: float = 300.0, retries: int = 2,
-                 weight_sync: str = "auto", trainer_device: str = "cpu"):
+                 weight_sync: str = "auto", trainer_device: str = "cpu", kind: str = "rollout"):
         self.run = run
+        self.kind = kind  # "rollout", or "reward": the reward servers of reward nodes (scoring only)
         self.token = token
         self.timeout_s = timeout_s
         self.retries = retries
@@ -86,8 +87,8 @@ class RolloutClient:
         self.refresh()
 
     @classmethod
-    def from_run_dir(cls, run: RunDir, cfg) -> RolloutClient:
-        """A client for the run's servers, with timeouts/retries/weight transport from cfg.rollout."""
+    def from_run_dir(cls, run: RunDir, cfg, kind: str = "rollout") -> RolloutClient:
+        """A client for the run's servers of `kind`, with timeouts/retries/weight transport from cfg.rollout."""
         r = cfg.rollout
         dev = cfg.trainer.device
         if dev == "auto":
@@ -95,8 +96,9 @@ class RolloutClient:
 
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         client = cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries,
-                     weight_sync=r.weight_sync, trainer_device=dev)
-        client.layout = (cfg.trainer.nodes, r.nodes, r.servers_per_node)
+                     weight_sync=r.weight_sync, trainer_device=dev, kind=kind)
+        client.layout = (cfg.trainer.nodes, r.nodes, r.servers_per_node) if kind == "rollout" else \
+            (cfg.trainer.nodes + r.nodes, cfg.reward.nodes, 1)
         return client
 
     # ------------------------------------------------------------------ discovery
@@ -107,7 +109,7 @@ class RolloutClient:
     def refresh(self) -> None:
         """(Re)read RUN/rendezvous/rollout-K.json; a server that restarted on a new port gets a new entry."""
         d = self.run.rendezvous
-        for f in sorted(d.glob("rollout-*.json")) if d.is_dir() else []:
+        for f in sorted(d.glob(f"{self.kind}-*.json")) if d.is_dir() else []:
             info = read_json(f)
             if not info or "url" not in info:
                 continue
@@ -139,7 +141,7 @@ class RolloutClient:
         deadline = time.monotonic() + timeout_s
         ready: set[int] = set()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as prog:
-            task = prog.add_task(f"waiting for rollout servers: 0/{expected} ready", total=expected)
+            task = prog.add_task(f"waiting for {self.kind} servers: 0/{expected} ready", total=expected)
             while True:
                 self.refresh()
                 for idx in range(expected):
@@ -148,9 +150,9 @@ class RolloutClient:
                         ready.add(idx)
                         srv.healthy = True
                 prog.update(task, completed=len(ready),
-                            description=f"waiting for rollout servers: {len(ready)}/{expected} ready")
+                            description=f"waiting for {self.kind} servers: {len(ready)}/{expected} ready")
                 if len(ready) >= expected:
-                    log.info("rollout servers ready: %s", ", ".join(self.servers[i].url for i in sorted(ready)))
+                    log.info("%s servers ready: %s", self.kind, ", ".join(self.servers[i].url for i in sorted(ready)))
                     return
                 self._raise_if_given_up(set(range(expected)) - ready)
                 if time.monotonic() >= deadline:
@@ -162,24 +164,24 @@ class RolloutClient:
                 continue
             srv = self.servers.get(idx)
             where = (f"at {srv.url} not healthy ({srv.last_error})" if srv
-                     else f"wrote no {self.run.rollout_file(idx).name}")
-            tail = " | ".join(tail_lines(self.run.logs / f"rollout-{idx}.log", 5))
+                     else f"wrote no {self.run.rollout_file(idx, self.kind).name}")
+            tail = " | ".join(tail_lines(self.run.logs / f"{self.kind}-{idx}.log", 5))
             missing.append(f"server {idx} ({self._node_of(idx, srv)}) {where}" + (f"; log tail: {tail}" if tail else ""))
-        raise RolloutError(f"rollout servers not ready after {timeout_s:.0f}s: {'; '.join(missing)}. Usual causes: "
-                           "the server crashed (see RUN/logs/rollout-K.log), it is bound to 127.0.0.1 "
+        raise RolloutError(f"{self.kind} servers not ready after {timeout_s:.0f}s: {'; '.join(missing)}. Usual causes: "
+                           f"the server crashed (see RUN/logs/{self.kind}-K.log), it is bound to 127.0.0.1 "
                            "(set rollout.host: 0.0.0.0), a firewall blocks the port, or startup needs more "
                            "time (raise rollout.startup_timeout_s)")
 
     def _raise_if_given_up(self, waiting: set[int]) -> None:
         """A server its launcher gave up on (rendezvous/failed-rollout-K.json) will not come: stop waiting."""
         for idx in sorted(waiting):
-            failed = read_json(self.run.server_failure_file(idx))
+            failed = read_json(self.run.server_failure_file(idx, self.kind))
             if failed:
-                raise RolloutError(str(failed.get("message") or f"rollout server {idx} failed: {failed}"))
+                raise RolloutError(str(failed.get("message") or f"{self.kind} server {idx} failed: {failed}"))
 
     def _node_of(self, idx: int, srv) -> str:
         """Which node runs server `idx`: its hostname once published, else its place in the job layout."""
-        info = read_json(self.run.rollout_file(idx)) or {}
+        info = read_json(self.run.rollout_file(idx, self.kind)) or {}
         if info.get("hostname"):
             return f"node {info['hostname']}"
         if self.layout is None:
@@ -212,8 +214,8 @@ class RolloutClient:
 
     def _mark_dead(self, srv: Server, cause: str) -> None:
         if srv.healthy:
-            log.warning("rollout server %d at %s failed (%s); routing its work to the other servers",
-                        srv.index, srv.url, cause)
+            log.warning("%s server %d at %s failed (%s); routing its work to the other servers",
+                        self.kind, srv.index, srv.url, cause)
         srv.healthy = False
         srv.last_error = cause
 
@@ -227,16 +229,16 @@ class RolloutClient:
         if r.status_code >= 500:
             raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
         if r.status_code != 200:
-            raise RolloutError(f"rollout server {srv.url} rejected {path} (HTTP {r.status_code}): {error_of(r)}")
+            raise RolloutError(f"{self.kind} server {srv.url} rejected {path} (HTTP {r.status_code}): {error_of(r)}")
         return r.json()
 
     def _run_chunks(self, path: str, bodies: list[dict], what: str) -> list[dict]:
         """POST one body per chunk, concurrently; a failed chunk moves to another healthy server."""
         servers = self._healthy()
         if not servers:
-            raise RolloutError(f"{what}: no healthy rollout server ("
+            raise RolloutError(f"{what}: no healthy {self.kind} server ("
                                + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values())
-                               + "); check RUN/logs/rollout-K.log")
+                               + f"); check RUN/logs/{self.kind}-K.log")
 
         def one(i: int) -> dict:
             tried: list[str] = []
@@ -254,7 +256,7 @@ class RolloutClient:
                     tried.append(f"{srv.url} ({e})")
                     self._mark_dead(srv, str(e))
             raise RolloutError(f"{what}: chunk {i} failed after {len(tried)} attempt(s): {'; '.join(tried) or 'no healthy server'}; "
-                               "check RUN/logs/rollout-K.log of those servers, or raise rollout.retries / "
+                               f"check RUN/logs/{self.kind}-K.log of those servers, or raise rollout.retries / "
                                "rollout.request_timeout_s")
 
         if len(bodies) == 1:

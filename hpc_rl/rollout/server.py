@@ -1,4 +1,4 @@
-"""Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N]`.
+"""Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N] [--role reward]`.
 
 Serves one engine over HTTP (API in protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
 and exits on SIGTERM/SIGINT or when RUN/rendezvous/done.json appears.
@@ -254,7 +254,8 @@ def make_http_server(service: RolloutService, token: str, host: str, port: int) 
         raise HpcRlError(f"rollout.host/rollout.port: cannot bind {host}:{port} ({e.strerror}); choose a free "
                          "port (0 picks one) and an address of this node (0.0.0.0 = all interfaces)") from None
     # On the engine's own event loop where it has one (vLLM): the endpoints then await it directly.
-    return HttpServer(make_app(service, token), sock, loop=service.engine.loop)
+    engine = getattr(service, "engine", None)
+    return HttpServer(make_app(service, token), sock, loop=engine.loop if engine is not None else None)
 
 
 def _model_vocab(path: str) -> int | None:
@@ -274,8 +275,9 @@ def _setup_logging() -> None:
     logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
 
 
-def serve(run_dir: str, index: int, device: str | None = None) -> int:
-    """Run one rollout server until SIGTERM/SIGINT or RUN/rendezvous/done.json; returns the exit code."""
+def serve(run_dir: str, index: int, device: str | None = None, role: str = "rollout") -> int:
+    """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
+    RUN/rendezvous/done.json; returns the exit code."""
     from ..config import load
 
     run = RunDir(Path(run_dir).resolve())
@@ -285,19 +287,26 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    engine = make_engine(cfg, device)
-    service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
-                             _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
-    register_server_routes(service)  # /collective/*: the weight-sync group's server side
-    if cfg.reward.model is not None and cfg.reward.model.placement == "server":
-        from ..rewards.serving import register_score_route
+    if role == "reward":  # a reward node's server: the reward model alone, on this node's first GPU
+        from ..rewards.serving import RewardService, register_score_route
 
-        register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
+        engine = None
+        service = RewardService(str(cfg.reward.model.path))
+        register_score_route(service, cfg, device, own_device=True)
+    else:
+        engine = make_engine(cfg, device)
+        service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
+                                 _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
+        register_server_routes(service)  # /collective/*: the weight-sync group's server side
+        if cfg.reward.model is not None and cfg.reward.model.placement == "server" and not cfg.reward.nodes:
+            from ..rewards.serving import register_score_route
+
+            register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]
     if cfg.rollout.host.startswith("127.") or cfg.rollout.host in ("localhost", "::1"):
-        log.warning("!!! rollout server %d is bound to %s: only processes on this node can reach it; set "
-                    "rollout.host: 0.0.0.0 for multi-node jobs !!!", index, cfg.rollout.host)
+        log.warning("!!! %s server %d is bound to %s: only processes on this node can reach it; set "
+                    "rollout.host: 0.0.0.0 for multi-node jobs !!!", role, index, cfg.rollout.host)
     stop = threading.Event()
     reason = {"why": "signal"}
 
@@ -310,24 +319,26 @@ def serve(run_dir: str, index: int, device: str | None = None) -> int:
     thread = threading.Thread(target=httpd.serve_forever, name="http", daemon=True)
     thread.start()
     host = advertise_host(cfg.rollout.host)
+    name = engine.name if engine is not None else "reward-model"
     info = {"index": index, "host": host, "port": port, "url": f"http://{host}:{port}",
-            "hostname": socket.gethostname(), "pid": os.getpid(), "engine": engine.name, "started": time.time()}
+            "hostname": socket.gethostname(), "pid": os.getpid(), "engine": name, "started": time.time()}
     run.rendezvous.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run.rollout_file(index), info)
-    log.info("rollout server %d serving %s (engine %s, bound %s:%d)", index, info["url"], engine.name,
+    write_json_atomic(run.rollout_file(index, role), info)
+    log.info("%s server %d serving %s (engine %s, bound %s:%d)", role, index, info["url"], name,
              cfg.rollout.host, port)
     while not stop.wait(DONE_POLL_S):
         if run.done_file.exists():
             reason["why"] = "done.json"
             break
-    log.info("rollout server %d stopping (%s)", index, reason["why"])
+    log.info("%s server %d stopping (%s)", role, index, reason["why"])
     httpd.shutdown()
     httpd.server_close()
     # Remove our rendezvous file so a later client does not wait on a server that is gone.
-    mine = read_json(run.rollout_file(index))
+    mine = read_json(run.rollout_file(index, role))
     if mine and mine.get("pid") == os.getpid():
-        run.rollout_file(index).unlink(missing_ok=True)
-    engine.close()
+        run.rollout_file(index, role).unlink(missing_ok=True)
+    if engine is not None:
+        engine.close()
     return 0
 
 
@@ -336,10 +347,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, help="the run directory (job.yaml, token, rendezvous/)")
     ap.add_argument("--index", type=int, required=True, help="this server's index K (rendezvous/rollout-K.json)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    ap.add_argument("--role", choices=["rollout", "reward"], default="rollout",
+                    help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json)")
     args = ap.parse_args(argv)
     _setup_logging()
     try:
-        return serve(args.run_dir, args.index, args.device)
+        return serve(args.run_dir, args.index, args.device, args.role)
     except HpcRlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,8 +27,11 @@ debug = os.environ.get("HPC_RL_DEBUG") == "1"
 class BatchMaker:
     """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
 
-    def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient, reward_tokenizer=None):
+    def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient, reward_tokenizer=None,
+                 reward_client: RolloutClient | None = None):
         self.cfg, self.tokenizer, self.client = cfg, tokenizer, client
+        # Who scores with the reward model (placement: server): the reward nodes' servers, else the rollout servers.
+        self.reward_client = reward_client or client
         self.dataset = PromptDataset(cfg.data, tokenizer, cfg.seed)
         rw = cfg.reward
         self.reward_fn = load_reward_fn(rw.function) if rw.function else None
@@ -77,7 +80,7 @@ class BatchMaker:
             ids = [self.reward_inputs(p, resp, row["prompt"], text)
                    for p, resp, row, text in zip(prompt_ids, resp_ids, rows, texts)]
             if cfg.reward.model.placement == "server":
-                parts["model_logits"] = self.client.score(ids)
+                parts["model_logits"] = self.reward_client.score(ids)
             else:
                 extra["reward_model_ids"] = ids  # scored by the trainer ranks
         reward_s = time.time() - t1

@@ -157,6 +157,7 @@ class Trainer:
         self._tokens = [0, 0]  # this step's computed and real tokens over all micro-batches (pad_fraction)
         # Rank 0 only: the rollout client, the batch maker and the pipeline that runs them (connect_rollout).
         self.client = None
+        self.reward_client = None  # the reward nodes' servers (reward.nodes)
         self.maker = None
         self.pipeline = None
         self.metrics = None
@@ -185,7 +186,10 @@ class Trainer:
         cfg = self.cfg
         self.client = RolloutClient.from_run_dir(self.run, cfg)
         self.client.wait_ready(cfg.rollout_servers, cfg.rollout.startup_timeout_s)
-        self.maker = BatchMaker(cfg, self.tokenizer, self.client, self.reward_tokenizer)
+        if cfg.reward.nodes:
+            self.reward_client = RolloutClient.from_run_dir(self.run, cfg, kind="reward")
+            self.reward_client.wait_ready(cfg.reward.nodes, cfg.rollout.startup_timeout_s)
+        self.maker = BatchMaker(cfg, self.tokenizer, self.client, self.reward_tokenizer, self.reward_client)
         if self._resumed:
             self.shaper.load_state_dict(self._resumed["shaper"])
         r = cfg.rollout
@@ -600,6 +604,8 @@ class Trainer:
         if dist.is_main:
             self.pipeline.close()  # its worker may be pushing: it finishes that push first
             self.client.close()  # leaves the weight-sync group before the servers see done.json
+            if self.reward_client is not None:
+                self.reward_client.close()
             if not self.preempted:
                 write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
             self.metrics.close()
