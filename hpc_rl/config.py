@@ -131,7 +131,8 @@ class RewardConfig:
     nodes: int = 0
     # Weights of the parts when both are given: {function: w, model: w} (a missing part weighs 1.0).
     weights: dict = field(default_factory=dict)
-    # A rule-based score `pkg.mod:fn` (same signature as function) that is logged as monitor_mean, never trained on.
+    # A rule-based score `pkg.mod:fn(prompt, completion, **row_fields)` (no reward.kwargs) logged as monitor_mean, never
+    # trained on.
     monitor: str | None = None
     # Multiply every (combined) reward by this.
     scale: float = 1.0

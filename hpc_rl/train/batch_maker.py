@@ -6,6 +6,7 @@ shapes them in step order (Trainer._rewards), so a batch generated ahead needs n
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -36,6 +37,7 @@ class BatchMaker:
         rw = cfg.reward
         self.reward_fn = load_reward_fn(rw.function) if rw.function else None
         self.monitor_fn = load_reward_fn(rw.monitor, "reward.monitor") if rw.monitor else None
+        self.monitor_cfg = dataclasses.replace(rw, kwargs={}, batched=False)  # reward.kwargs are the function's
         self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
         self.stop_ids = sorted({tokenizer.eos_token_id, *self._single_token_stops()})
 
@@ -74,7 +76,7 @@ class BatchMaker:
         if self.reward_fn is not None:
             parts["function"] = compute_rewards(self.reward_fn, cfg.reward, prompt_texts, texts, rows).tolist()
         if self.monitor_fn is not None:
-            parts["monitor"] = compute_rewards(self.monitor_fn, cfg.reward, prompt_texts, texts, rows,
+            parts["monitor"] = compute_rewards(self.monitor_fn, self.monitor_cfg, prompt_texts, texts, rows,
                                                spec=f"reward.monitor {cfg.reward.monitor}").tolist()
         if self.reward_inputs is not None:
             ids = [self.reward_inputs(p, resp, row["prompt"], text)
