@@ -501,9 +501,34 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     return _serve_node(run, cfg, node_index, entries)
 
 
+def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> dict | None:
+    """Each server of a GPU node its own GPUs, in order, from the node's (Slurm sets CUDA_VISIBLE_DEVICES to the
+    job's GPUs; else slurm.[rollout_]gpus_per_node): a rollout server tensor_parallel of them (+ 1 for a reward
+    model on the server), a reward node's server one. None on CPU nodes (nothing to split)."""
+    environ = os.environ if environ is None else environ
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not visible:
+        s = cfg.slurm
+        n = s.rollout_gpus_per_node if s.rollout_gpus_per_node is not None else s.gpus_per_node
+        visible = [str(i) for i in range(n if cfg.trainer.device != "cpu" else 0)]
+    if not visible:
+        return None
+    rm = cfg.reward.model
+    per = {"rollout": cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server"
+                                                     and not cfg.reward.nodes else 0), "reward": 1}
+    out, start = {}, 0
+    for e in entries:
+        out[e] = visible[start:start + per[e[0]]]
+        start += per[e[0]]
+    if start > len(visible):
+        log.warning("this node has GPUs %s but its servers %s need %d; they share them", visible, entries, start)
+        return None
+    return out
+
+
 def _serve_node(run: RunDir, cfg: JobConfig, node_index: int, entries: list[tuple]) -> int:
     """A rollout or reward node: keep its servers up until the run is done; a server given up on ends the job."""
-    keeper = ServerKeeper(run, cfg, entries)
+    keeper = ServerKeeper(run, cfg, entries, node_server_devices(cfg, entries))
     servers = keeper.procs
     log.info("node %d (%s): %s", node_index, os.uname().nodename, ", ".join(f"{kind} server {k}" for kind, k in entries))
     try:

@@ -260,3 +260,25 @@ def test_reward_nodes_have_a_role_and_a_place_in_the_job():
     with pytest.raises(ConfigError, match="its last 1 GPU"):
         config.load_dict({"model": {"path": "m"}, "rollout": {"local_devices": [0], "tensor_parallel": 1},
                           "reward": {"nodes": 1, "model": {"path": "r", "placement": "server"}}})
+
+
+def test_each_server_of_a_gpu_node_gets_its_own_gpus():
+    from hpc_rl.launch import node_server_devices
+
+    def cfg(**reward):
+        return config.load_dict({"model": {"path": "m"}, "trainer": {"device": "cuda"},
+                                 "slurm": {"gpus_per_node": 8}, "rollout": {"servers_per_node": 4, "tensor_parallel": 1},
+                                 "reward": reward})
+
+    rollout = [("rollout", k) for k in range(4, 8)]  # the second rollout node's servers
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    # A reward model on each server: 1 GPU for vLLM, the next for the reward model (rewards/serving.py: cuda:1).
+    got = node_server_devices(cfg(model={"path": "r", "placement": "server"}), rollout, env)
+    assert list(got.values()) == [["0", "1"], ["2", "3"], ["4", "5"], ["6", "7"]]
+    assert list(node_server_devices(cfg(), rollout, env).values()) == [["0"], ["1"], ["2"], ["3"]]
+    # Without CUDA_VISIBLE_DEVICES, slurm.gpus_per_node; a reward node's server takes one.
+    assert node_server_devices(cfg(nodes=1, model={"path": "r", "placement": "server"}), [("reward", 0)], {}) == \
+        {("reward", 0): ["0"]}
+    # CPU nodes: nothing to split.
+    cpu = config.load_dict({"model": {"path": "m"}, "trainer": {"device": "cpu"}})
+    assert node_server_devices(cpu, rollout, {}) is None

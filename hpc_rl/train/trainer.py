@@ -24,7 +24,7 @@ from ..errors import HpcRlError, RolloutError, TrainingError
 from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
-from ..rewards.base import RewardShaper, combine_rewards
+from ..rewards.base import RewardShaper, combine_rewards, describe
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
 from ..rollout.client import RolloutClient
 from ..rundir import RunDir, write_json_atomic
@@ -297,7 +297,7 @@ class Trainer:
                 combined, stats = combine_rewards(parts, self.cfg.reward)
                 shaped = self.shaper(combined)
                 payload["stats"].update(stats)
-                payload["stats"].update(reward_shaped_mean=float(shaped.mean()), reward_shaped_std=float(shaped.std()))
+                payload["stats"].update(describe(shaped, "reward_shaped"))
                 scores = shaped.tolist()
             except HpcRlError as e:
                 scores = {"fatal_error": str(e)}
