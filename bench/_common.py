@@ -43,15 +43,19 @@ def build_model(tiny: dict, out_dir: Path, source: str = "toy:repeat_digit") -> 
     return Path(build_tiny_model(TinyModelConfig(**tiny), tokenizer_corpus(DataConfig(source=source), 1), out_dir))
 
 
-def param_count(model_dir: Path) -> int:
+def param_sizes(model_dir: Path) -> list[int]:
+    """The element count of every tensor in a folder's safetensors files."""
     from safetensors import safe_open
 
-    n = 0
+    sizes = []
     for f in Path(model_dir).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                n += _prod(st.get_slice(k).get_shape())
-    return n
+            sizes += [_prod(st.get_slice(k).get_shape()) for k in st.keys()]
+    return sizes
+
+
+def param_count(model_dir: Path) -> int:
+    return sum(param_sizes(model_dir))
 
 
 def _prod(shape) -> int:

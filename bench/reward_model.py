@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, SMALL, base_job, build_model, machine, run_hpc_rl, steady, table, write_result  # noqa: E402
+from _common import REPO, SMALL, base_job, build_model, machine, param_sizes, run_hpc_rl, steady, table, write_result  # noqa: E402
 
 SIDES = {"rule function": [], "reward model on trainer ranks": ["reward.model.placement=trainer"],
          "reward model on the rollout server": ["reward.model.placement=server"]}
@@ -43,18 +43,8 @@ def make_job(side: str, steps: int, model: Path, rm: Path) -> dict:
 def rm_shard_bytes(rm: Path, world: int) -> dict:
     """The reward model's fp32 parameter bytes in all and per trainer rank under ZeRO-3 (each parameter split in
     ceil(numel / world)-element shards, as tests/test_reward_model_dist.py checks)."""
-    from safetensors import safe_open
-
-    total = per_rank = 0
-    for f in rm.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                n = 1
-                for s in st.get_slice(k).get_shape():
-                    n *= int(s)
-                total += 4 * n
-                per_rank += 4 * -(-n // world)
-    return {"total_bytes": total, "per_rank_bytes": per_rank}
+    sizes = param_sizes(rm)
+    return {"total_bytes": 4 * sum(sizes), "per_rank_bytes": 4 * sum(-(-n // world) for n in sizes)}
 
 
 def main() -> None:

@@ -146,6 +146,11 @@ class RewardConfig:
         """The reward's parts that are trained on: 'function', 'model' or both."""
         return [name for name, on in (("function", self.function), ("model", self.model)) if on]
 
+    @property
+    def on_rollout_servers(self) -> bool:
+        """Whether each rollout server hosts the reward model (placement server without reward nodes)."""
+        return self.model is not None and self.model.placement == "server" and not self.nodes
+
 
 @dataclass
 class KLConfig:
@@ -484,6 +489,11 @@ class JobConfig:
         return self.trainer.nodes * self.trainer.procs_per_node
 
     @property
+    def gpus_per_rollout_server(self) -> int:
+        """GPUs of one rollout server: its tensor-parallel ones, and one more for a reward model it hosts."""
+        return self.rollout.tensor_parallel + (1 if self.reward.on_rollout_servers else 0)
+
+    @property
     def rollout_servers(self) -> int:
         """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth)."""
         return max(1, self.rollout.nodes) * self.rollout.servers_per_node
@@ -764,16 +774,17 @@ def _validate_reward(cfg: JobConfig, need) -> None:
              f"servers and the rest to rollout servers of rollout.tensor_parallel {r.tensor_parallel} GPUs each; "
              f"got {len(r.local_devices)}")
         return
-    if rm.placement == "server" and s.gpus_per_node and cfg.trainer.device != "cpu":
+    per = cfg.gpus_per_rollout_server
+    if rw.on_rollout_servers and s.gpus_per_node and cfg.trainer.device != "cpu":
         gpus = s.rollout_gpus_per_node or s.gpus_per_node
-        need((r.tensor_parallel + 1) * r.servers_per_node <= gpus,
+        need(per * r.servers_per_node <= gpus,
              f"reward.model.placement: server gives each rollout server a GPU of its own for the reward model "
-             f"((rollout.tensor_parallel + 1) x rollout.servers_per_node = {(r.tensor_parallel + 1) * r.servers_per_node}"
+             f"((rollout.tensor_parallel + 1) x rollout.servers_per_node = {per * r.servers_per_node}"
              f" GPUs) but a rollout node has {gpus}; lower rollout.servers_per_node or use placement: trainer")
-    if rm.placement == "server" and r.local_devices:
-        need(len(r.local_devices) % (r.tensor_parallel + 1) == 0,
+    if rw.on_rollout_servers and r.local_devices:
+        need(len(r.local_devices) % per == 0,
              "rollout.local_devices: with reward.model.placement server each rollout server takes "
-             f"rollout.tensor_parallel + 1 = {r.tensor_parallel + 1} GPUs (the last for the reward model); "
+             f"rollout.tensor_parallel + 1 = {per} GPUs (the last for the reward model); "
              f"got {len(r.local_devices)}")
 
 

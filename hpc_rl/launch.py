@@ -192,13 +192,12 @@ class ServerKeeper:
     must not wait for a server that cannot come. `procs` is updated in place, so stop_processes always sees the
     live ones."""
 
-    def __init__(self, run: RunDir, cfg: JobConfig, indices: list, devices: dict | None = None,
+    def __init__(self, run: RunDir, cfg: JobConfig, indices: list[tuple[str, int]], devices: dict | None = None,
                  cpus: list[int] | None = None):
         self.run, self.cfg = run, cfg
         self.devices = devices or {}
         self.cpus = cpus
-        # Plain integers are rollout servers.
-        self.indices = [k if isinstance(k, tuple) else ("rollout", k) for k in indices]
+        self.indices = list(indices)
         self.procs = [self._start(e) for e in self.indices]
         self.restarts = {e: 0 for e in self.indices}
         self.served = {e: False for e in self.indices}
@@ -398,10 +397,10 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     trainers: list[subprocess.Popen] = []
     try:
         devs = list(cfg.rollout.local_devices)
-        rm, n_reward = cfg.reward.model, cfg.reward.nodes
+        n_reward = cfg.reward.nodes
         # A reward model on the servers takes the GPU after each server's tensor-parallel ones; reward nodes'
         # servers (one per reward node, on this machine) take the last GPUs of rollout.local_devices.
-        per = cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server" and not n_reward else 0)
+        per = cfg.gpus_per_rollout_server
         trainer_cpus, rollout_cpus = _local_cpus(cfg)
         entries = [("rollout", k) for k in range(n_servers)] + [("reward", k) for k in range(n_reward)]
         devices = None
@@ -513,9 +512,7 @@ def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> d
         visible = [str(i) for i in range(n if cfg.trainer.device != "cpu" else 0)]
     if not visible:
         return None
-    rm = cfg.reward.model
-    per = {"rollout": cfg.rollout.tensor_parallel + (1 if rm is not None and rm.placement == "server"
-                                                     and not cfg.reward.nodes else 0), "reward": 1}
+    per = {"rollout": cfg.gpus_per_rollout_server, "reward": 1}
     out, start = {}, 0
     for e in entries:
         out[e] = visible[start:start + per[e[0]]]

@@ -136,7 +136,7 @@ def test_reward_tokenizer_without_pad_gets_eos_with_a_warning(tiny_reward_model,
         tok = load_reward_tokenizer(RewardModelConfig(path=str(d)))
     assert tok.pad_token == tok.eos_token == "<eos>"
     assert "has no pad_token; using eos_token" in caplog.text
-    assert check_reward_model(RewardModelConfig(path=str(d))) == 0
+    assert check_reward_model(RewardModelConfig(path=str(d)))[0] == 0
 
 
 # ----------------------------------------------------------------------------- the last real token

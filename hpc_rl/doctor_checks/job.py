@@ -222,7 +222,7 @@ def check_reward_model(ctx: Ctx) -> Result:
         return Result(name, FAIL, f"reward.model.path: {rm.path} does not exist here",
                       "download the reward model first (compute nodes are often offline) or fix reward.model.path")
     try:
-        label = check_folder(rm)
+        label, _ = check_folder(rm)
     except HpcRlError as e:
         return Result(name, FAIL, str(e), "fix reward.model as the message says")
     dtype = rm.dtype or j.model.dtype

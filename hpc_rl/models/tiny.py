@@ -3,6 +3,7 @@ Qwen2/Llama model from a config, saved as a normal HF folder (loaded like any re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -66,17 +67,26 @@ def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str 
     out = Path(out_dir)
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(corpus)
     cfg = model_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(tiny.init_seed)
     model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+    return out
+
+
+@contextlib.contextmanager
+def atomic_folder(out: Path):
+    """A temporary folder beside `out` to write a model into; renamed to `out` when the block ends without an
+    error (removed otherwise), so that `out` is either complete or absent."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
+    try:
+        yield tmp
         try:
             os.rename(tmp, out)
         except OSError:
@@ -87,7 +97,6 @@ def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str 
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
 
 
 def tiny_cache_dir() -> Path:

@@ -8,24 +8,16 @@ more or less often, an eos or not), so the reward model sees at training what it
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..rewards.toy import repeat_digit
 
 # Small enough to train in ~10 s on one core; wide enough to compare each response token with the prompt's digit.
 HIDDEN, LAYERS, HEADS, HEAD_DIM, MLP = 64, 2, 2, 32, 128
 TRAIN_STEPS, PAIRS_PER_STEP, LR = 400, 64, 2e-3
 MAX_COMPLETION_TOKENS = 6
-
-
-def _repeat_digit_score(prompt: str, completion: str, ground_truth: str) -> float:
-    from ..rewards.toy import repeat_digit
-
-    return repeat_digit(prompt, completion, ground_truth)
 
 
 def _token_groups(tok) -> tuple[list[int], dict[str, list[int]]]:
@@ -61,8 +53,8 @@ def preference_pairs(tok, n: int, seed: int) -> list[tuple[list[int], list[int]]
         prompt = f"copy {d} :"
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         a, b = completion_tokens(tok, d, rng, groups), completion_tokens(tok, d, rng, groups)
-        sa = _repeat_digit_score(prompt, tok.decode(a, skip_special_tokens=True), d)
-        sb = _repeat_digit_score(prompt, tok.decode(b, skip_special_tokens=True), d)
+        sa = repeat_digit(prompt, tok.decode(a, skip_special_tokens=True), d)
+        sb = repeat_digit(prompt, tok.decode(b, skip_special_tokens=True), d)
         if sa == sb:
             continue
         chosen, rejected = (a, b) if sa > sb else (b, a)
@@ -134,7 +126,7 @@ def build_tiny_reward_model(task: str, corpus: list[str], out_dir: str | Path, s
     save it into `out_dir` atomically; an existing folder is kept."""
     from transformers import AutoTokenizer
 
-    from .tiny import train_tokenizer
+    from .tiny import atomic_folder, train_tokenizer
 
     if task != "toy:repeat_digit":
         raise ConfigError(f"reward.model.tiny: no tiny reward model for {task!r}; the toy tasks with one: "
@@ -142,9 +134,7 @@ def build_tiny_reward_model(task: str, corpus: list[str], out_dir: str | Path, s
     out = Path(out_dir)
     if (out / "config.json").is_file():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         # Trained on the tokenizer as it loads from the finished folder: with a qwen2 config.json next to it,
         # transformers rebuilds its pipeline and tokenizes the prompts differently from the trained object.
         raw = train_tokenizer(corpus)
@@ -152,15 +142,5 @@ def build_tiny_reward_model(task: str, corpus: list[str], out_dir: str | Path, s
         cfg = _config(raw)
         cfg.save_pretrained(tmp)
         tok = AutoTokenizer.from_pretrained(tmp)
-        model = _train(tok, cfg, seed)
-        model.save_pretrained(tmp)
-        try:
-            os.rename(tmp, out)
-        except OSError:
-            if not (out / "config.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        _train(tok, cfg, seed).save_pretrained(tmp)
     return out

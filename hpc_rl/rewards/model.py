@@ -70,12 +70,11 @@ def label_to_read(config: dict, label_index: int | None, path) -> int:
     return label_index
 
 
-def check_reward_model(rm: RewardModelConfig) -> int:
+def check_reward_model(rm: RewardModelConfig):
     """What can be checked before any weight loads: a sequence-classification folder, the label to read, a
-    tokenizer with a pad token. Returns the label index."""
+    tokenizer with a pad token. Returns (label index, tokenizer)."""
     label = label_to_read(read_head(rm.path), rm.label_index, rm.path)
-    load_reward_tokenizer(rm)
-    return label
+    return label, load_reward_tokenizer(rm)
 
 
 def load_reward_tokenizer(rm: RewardModelConfig):
@@ -90,9 +89,7 @@ def load_reward_module(rm: RewardModelConfig, cfg: JobConfig, device: str | torc
     train/engines.py on trainer ranks. Returns (module, tokenizer, label index)."""
     from transformers import AutoModelForSequenceClassification
 
-    head = read_head(rm.path)
-    label = label_to_read(head, rm.label_index, rm.path)
-    tok = load_reward_tokenizer(rm)
+    label, tok = check_reward_model(rm)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForSequenceClassification.from_pretrained(

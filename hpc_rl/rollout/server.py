@@ -298,7 +298,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
                                  _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
         register_server_routes(service)  # /collective/*: the weight-sync group's server side
-        if cfg.reward.model is not None and cfg.reward.model.placement == "server" and not cfg.reward.nodes:
+        if cfg.reward.on_rollout_servers:
             from ..rewards.serving import register_score_route
 
             register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU

@@ -118,11 +118,10 @@ def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
     import deepspeed
     from transformers import AutoModelForSequenceClassification
 
-    from ..rewards.model import label_to_read, load_reward_tokenizer, read_head
+    from ..rewards.model import check_reward_model
 
     rm = cfg.reward.model
-    label = label_to_read(read_head(rm.path), rm.label_index, rm.path)
-    tok = load_reward_tokenizer(rm)
+    label, tok = check_reward_model(rm)
     ds = ds_config.render(cfg, world_size, device_kind, train=False, dtype=rm.dtype)
     model, keep = _from_pretrained(AutoModelForSequenceClassification, rm.path, cfg, ds, dtype=rm.dtype,
                                    trust_remote_code=rm.trust_remote_code, pad_token_id=tok.pad_token_id)
