@@ -29,6 +29,23 @@ LARGE = {"arch": "qwen2", "hidden_size": 640, "num_layers": 10, "num_heads": 10,
          "intermediate_size": 1728}
 
 
+def rounds_args(doc: str, steps: int, rounds: int, quick: tuple[int, int], prefix: str):
+    """The command line of a bench that runs `hpc-rl run` sides in rounds: --steps, --rounds, --quick (the
+    `quick` steps and rounds) and --work (default: a new temp dir named `prefix`); returns (args, work dir)."""
+    import argparse
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--work", help="keep the run dirs and logs here (default: a temp dir)")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.rounds = quick
+    return args, Path(args.work or tempfile.mkdtemp(prefix=prefix))
+
+
 def base_job(name: str = "toy-grpo-cpu") -> dict:
     """A job spec of jobs/ as a mapping, to be modified by a benchmark."""
     return yaml.safe_load((REPO / "jobs" / f"{name}.yaml").read_text())

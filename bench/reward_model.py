@@ -12,16 +12,14 @@ Writes bench/results/reward_model.json; the last line printed is one JSON object
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import REPO, SMALL, base_job, build_model, machine, param_sizes, run_hpc_rl, steady, table, write_result  # noqa: E402
+from _common import REPO, SMALL, base_job, build_model, machine, param_sizes, rounds_args, run_hpc_rl, steady, table, write_result  # noqa: E402
 
 SIDES = {"rule function": [], "reward model on trainer ranks": ["reward.model.placement=trainer"],
          "reward model on the rollout server": ["reward.model.placement=server"]}
@@ -48,15 +46,7 @@ def rm_shard_bytes(rm: Path, world: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--work", help="keep the run dirs and logs here (default: a temp dir)")
-    args = ap.parse_args()
-    if args.quick:
-        args.steps, args.rounds = 8, 1
-    work = Path(args.work or tempfile.mkdtemp(prefix="bench-rm-"))
+    args, work = rounds_args(__doc__, 30, 2, (8, 1), "bench-rm-")
     from hpc_rl.config import DataConfig
     from hpc_rl.data.datasets import tokenizer_corpus
     from hpc_rl.models.tiny_reward import build_tiny_reward_model

@@ -41,10 +41,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run name or run dir")
     p.add_argument("--runs-dir", default="runs")
 
-    p = sub.add_parser("export", help="write an HF model folder from a checkpoint")
+    p = sub.add_parser("export", help="write an HF model folder (or a LoRA run's PEFT adapter folder) from a checkpoint")
     p.add_argument("run", help="a run name or run dir")
     p.add_argument("out", help="output folder")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    form = p.add_mutually_exclusive_group()
+    form.add_argument("--merged", dest="form", action="store_const", const="merged",
+                      help="a LoRA run's adapters merged into the base: a plain HF folder (the default)")
+    form.add_argument("--adapter", dest="form", action="store_const", const="adapter",
+                      help="a LoRA run's PEFT adapter folder (PeftModel.from_pretrained(base, OUT))")
     p.add_argument("--runs-dir", default="runs")
 
     p = sub.add_parser("sweep", help="a sweep as one Slurm job array: [run] FILE | status SWEEP | resubmit SWEEP --failed")
@@ -96,8 +101,8 @@ def dispatch(args: argparse.Namespace) -> int:
         from .cluster.status import cancel_run
         return cancel_run(args.run, runs_dir=args.runs_dir)
     if args.command == "export":
-        from .train.checkpoint import export_hf
-        return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir)
+        from .train.export import export_hf
+        return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir, form=args.form or "merged")
     if args.command == "sweep":
         from .cluster.sweep import sweep_cli
         return sweep_cli(args.args, dry_run=args.dry_run, as_json=args.json, failed=args.failed, follow=args.follow,

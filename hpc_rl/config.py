@@ -44,6 +44,25 @@ class TinyModelConfig:
     max_position_embeddings: int = 512
     # Seed of the random initial weights (the tokenizer is trained on the task's symbols).
     init_seed: int = 0
+    # Standard deviation of the random initial weights (transformers' initializer_range). A frozen output layer
+    # (LoRA) bounds the logits by about init_std^2 x hidden_size x the final norm's width: 0.02 leaves a
+    # 128-wide model's policy close to uniform whatever its adapters learn.
+    init_std: float = 0.02
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (PEFT LoRA) on linear modules of the body; the base weights stay frozen."""
+
+    # Rank r of each adapter (A: r x in, B: out x r).
+    rank: int = 8
+    # The adapters' output is scaled by alpha / rank.
+    alpha: float = 16.0
+    # Dropout on an adapter's input in training (0: none; > 0 costs one more no-grad forward per step).
+    dropout: float = 0.0
+    # Linear modules to adapt: module names or name suffixes (q_proj, v_proj, ...), or [all-linear] (every
+    # linear layer of the body; never the output layer or the critic's value head).
+    target_modules: list = field(default_factory=lambda: ["all-linear"])
 
 
 @dataclass
@@ -64,6 +83,11 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     # Allow code shipped inside the model folder to run (transformers' trust_remote_code).
     trust_remote_code: bool = False
+    # Train the actor through LoRA adapters (null: all weights); the reference is then the actor with its
+    # adapters off, and weight syncs push only the adapters.
+    lora: LoraConfig | None = None
+    # Train the critic's body through LoRA adapters (its value head stays fully trained); null: all weights.
+    critic_lora: LoraConfig | None = None
 
 
 @dataclass
@@ -683,6 +707,18 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
     need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
     _validate_reward(cfg, need)
+    for key, lora in (("model.lora", m.lora), ("model.critic_lora", m.critic_lora)):
+        if lora is None:
+            continue
+        need(lora.rank >= 1, f"{key}.rank must be >= 1; got {lora.rank}")
+        need(lora.alpha > 0, f"{key}.alpha must be > 0; got {lora.alpha}")
+        need(0 <= lora.dropout < 1, f"{key}.dropout must be in [0, 1); got {lora.dropout}")
+        need(bool(lora.target_modules) and all(isinstance(x, str) and x.strip() for x in lora.target_modules),
+             f"{key}.target_modules must be a non-empty list of module names (e.g. [q_proj, v_proj]) or [all-linear]")
+        need("all-linear" not in lora.target_modules or len(lora.target_modules) == 1,
+             f"{key}.target_modules: all-linear already names every linear module; give it alone")
+    need(m.critic_lora is None or a.uses_critic,
+         f"model.critic_lora: algorithm {a.name} has no critic; remove model.critic_lora")
     need(t.check_sync_every >= 0 and t.sync_tolerance > 0,
          "trainer.check_sync_every must be >= 0 and trainer.sync_tolerance > 0")
     samples = cfg.samples_per_step

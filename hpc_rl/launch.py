@@ -22,6 +22,7 @@ from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
+from .models.lora import check_targets as check_lora_targets
 from .models.tiny import build_tiny_model
 from .models.tiny_reward import build_tiny_reward_model
 from .netutil import advertise_host, free_port
@@ -65,6 +66,7 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         elif rm is not None:
             rm.path = str(Path(rm.path).resolve())
         PromptDataset(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), cfg.seed)
+        check_lora_targets(cfg)
         if cfg.data.source.endswith((".jsonl", ".json", ".parquet")):
             cfg.data.source = str(Path(cfg.data.source).resolve())
         run.job_yaml.write_text(config.dump(cfg))

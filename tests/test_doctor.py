@@ -425,3 +425,29 @@ def test_reward_model_folder_head_and_fit(tiny_model, tiny_reward_model, tmp_pat
     # Without nvidia-smi the fit is left to a compute node, said so.
     smi = None
     assert "GPU memory unknown here" in rm_check(path=str(tiny_reward_model)).message
+
+
+def test_trainer_memory_with_and_without_lora(tiny_model):
+    from transformers import AutoConfig
+
+    conf = AutoConfig.from_pretrained(tiny_model)
+    h, i, v, L = conf.hidden_size, conf.intermediate_size, conf.vocab_size, conf.num_hidden_layers
+    attn = conf.num_attention_heads * conf.head_dim  # q/o width; k/v: num_key_value_heads * head_dim (same here)
+    # embeddings + lm_head, per layer q/k/v (+ biases) and o, the MLP, two norms; the final norm
+    p = 2 * v * h + L * (4 * h * attn + 3 * attn + 3 * h * i + 2 * h) + h
+    j = make_job(model={"path": str(tiny_model)}, trainer={"procs_per_node": 2})
+    r = job.check_trainer_memory(Ctx(job=j))
+    assert r.status == OK and f"actor {p:,} parameters" in r.message and "LoRA" not in r.message
+    assert f"all trained: ~{16 * p / 2 / 2**20:.1f} MiB of model state per trainer rank (ZeRO-3 over 2)" in r.message
+    # rank 8 on q_proj and v_proj of both layers: 8 x (in + out) each; the frozen rest costs its fp32 weight
+    t = L * 2 * 8 * (h + attn)
+    j = make_job(model={"path": str(tiny_model), "lora": {"rank": 8, "target_modules": ["q_proj", "v_proj"]}},
+                 trainer={"procs_per_node": 2})
+    r = job.check_trainer_memory(Ctx(job=j))
+    mine = (16 * t + 4 * (p - t)) / 2
+    assert r.status == OK, r.message
+    assert f"LoRA: {t:,} trainable ({100 * t / p:.2f}%), ~{mine / 2**20:.1f} MiB per rank" in r.message
+    # A target that matches nothing fails with the model's linear modules named.
+    j = make_job(model={"path": str(tiny_model), "lora": {"target_modules": ["qkv"]}})
+    r = job.check_trainer_memory(Ctx(job=j))
+    assert r.status == FAIL and "'qkv' matches no linear module" in r.message and "'o_proj'" in r.message

@@ -218,8 +218,12 @@ def test_old_logprob_forward_is_skipped_only_where_it_cannot_change_the_result(o
     cfg = config.load_dict(base)
     use_ref = cfg.algorithm.kl.coef > 0
     assert needs_old_logprobs_forward(cfg, use_ref, "none", _Cfg(attention_dropout=0.0)) is expected
-    # Dropout: train and eval mode differ, so the forward stays.
+    # Dropout: train and eval mode differ, so the forward stays; LoRA's own dropout too.
     assert needs_old_logprobs_forward(cfg, use_ref, "none", _Cfg(attention_dropout=0.1)) is True
+    cfg.model.lora = config.LoraConfig(dropout=0.0)
+    assert needs_old_logprobs_forward(cfg, use_ref, "none", _Cfg(attention_dropout=0.0)) is expected
+    cfg.model.lora = config.LoraConfig(dropout=0.05)
+    assert needs_old_logprobs_forward(cfg, use_ref, "none", _Cfg(attention_dropout=0.0)) is True
     # Importance weights at another temperature need a temperature-1 forward before the update.
     cfg.rollout.temperature = 0.7
     assert needs_old_logprobs_forward(cfg, use_ref, "tis", _Cfg()) is True

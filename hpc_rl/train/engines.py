@@ -10,6 +10,7 @@ import torch
 
 from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
+from ..models.lora import CRITIC_HEAD
 from . import ds_config
 
 log = logging.getLogger("hpc_rl")
@@ -43,6 +44,35 @@ def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, dtype: str |
     return model, keep_alive
 
 
+def _with_lora(model, lora, key: str, keep_trained: tuple[str, ...] = ()):
+    """`model` wrapped by PEFT with adapters on the linear modules `lora` targets; everything else frozen except
+    the modules named in `keep_trained` (a critic's value head). Under ZeRO-3 the base weights stay partitioned."""
+    from peft import get_peft_model
+
+    from ..models.lora import peft_config, resolve_targets
+
+    if lora is None:
+        return model
+    targets = resolve_targets(model, lora.target_modules, key, exclude=keep_trained)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(model, peft_config(lora, targets))
+    for name, p in model.named_parameters():
+        if any(f".{k}." in f".{name}" for k in keep_trained):
+            p.requires_grad_(True)
+    return model
+
+
+def parameter_counts(model) -> tuple[int, int]:
+    """(trainable, all) parameters of a model, partitioned by ZeRO-3 or not."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        trainable += n if p.requires_grad else 0
+    return trainable, total
+
+
 def _optimizer(model, lr: float, cfg: JobConfig):
     params = [p for p in model.parameters() if p.requires_grad]
     return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
@@ -74,6 +104,7 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
 
     ds = ds_config.render(cfg, world_size, device_kind)
     model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
+    model = _with_lora(model, cfg.model.lora, "model.lora")
     opt = _optimizer(model, cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep
@@ -91,6 +122,7 @@ def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
     # the update would be noisy copies of the (eval-mode) old values that value clipping compares them with.
     model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, num_labels=1,
                                    classifier_dropout=0.0)
+    model = _with_lora(model, cfg.model.critic_lora, "model.critic_lora", keep_trained=CRITIC_HEAD)
     opt = _optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep
@@ -130,6 +162,25 @@ def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
     engine.eval()
     engine._hpc_rl_keep = keep
     return engine, tok, label
+
+
+def adapter_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """The LoRA adapters of a PEFT-wrapped engine's model under their wire names (models.lora), gathered from
+    ZeRO-3 (small: only the adapters). Collective; CPU tensors on rank 0, None elsewhere."""
+    import deepspeed
+
+    from ..models.lora import wire_name
+
+    named = [(wire_name(n), p) for n, p in engine.module.named_parameters() if wire_name(n)]
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+        out = {n: p.detach().to("cpu", copy=True) for n, p in named} if rank == 0 else None
+    return out
+
+
+def policy_state_dict(engine, lora: bool) -> dict[str, torch.Tensor] | None:
+    """What a weight sync pushes: the adapters under LoRA, else the whole HF state dict (collective)."""
+    return adapter_state_dict(engine) if lora else gather_state_dict(engine)
 
 
 def gather_state_dict(engine, on_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:

@@ -32,7 +32,16 @@ from . import checkpoint
 from .batch_maker import BatchMaker
 from .distributed import DistInfo, all_gather_floats, all_reduce_scalar, broadcast_object, resolve_device_kind
 from .ds_config import batch_sizes
-from .engines import build_actor, build_critic, build_reference, build_reward_model, gather_state_dict
+from .engines import (
+    adapter_state_dict,
+    build_actor,
+    build_critic,
+    build_reference,
+    build_reward_model,
+    gather_state_dict,
+    parameter_counts,
+    policy_state_dict,
+)
 from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward
 from .micro_batches import MicroBatch, plan, token_counts
 from .rollout_pipeline import RolloutPipeline
@@ -97,6 +106,7 @@ def needs_old_logprobs_forward(cfg: JobConfig, use_ref: bool, correction: str, m
     tis_other_temperature = correction == "tis" and cfg.rollout.temperature != 1.0
     dropout = any(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
                   for k, v in vars(model_config).items() if "dropout" in k)
+    dropout = dropout or (cfg.model.lora is not None and cfg.model.lora.dropout > 0)
     return not one_step or kl_before or tis_other_temperature or dropout
 
 
@@ -115,7 +125,19 @@ class Trainer:
         self.critic = build_critic(cfg, dist.world_size, self.device_kind) if cfg.algorithm.uses_critic else None
         a = cfg.algorithm
         self.use_ref = a.kl.coef > 0 or a.kl.adaptive
-        self.ref = build_reference(cfg, dist.world_size, self.device_kind) if self.use_ref else None
+        # Under LoRA the reference is the actor with its adapters off: no second copy of the weights.
+        self.lora = cfg.model.lora is not None
+        self.ref = build_reference(cfg, dist.world_size, self.device_kind) if self.use_ref and not self.lora else None
+        if dist.is_main:
+            for name, engine, lora in (("actor", self.actor, cfg.model.lora), ("critic", self.critic,
+                                                                                cfg.model.critic_lora)):
+                if engine is not None and lora is not None:
+                    trainable, total = parameter_counts(engine.module)
+                    log.info("%s: LoRA rank %d on %d modules: %d trainable parameters of %d (%.2f%%)%s", name,
+                             lora.rank, sum(1 for n, _ in engine.module.named_parameters() if ".lora_A." in n),
+                             trainable, total, 100 * trainable / total,
+                             "; reference = the actor with its adapters off" if name == "actor" and self.use_ref
+                             else "")
         self.kl_ctl = make_kl_controller(a.kl)
         # The reward model on the trainer ranks (ZeRO-3 inference, partitioned like the reference).
         self.reward_model, self.reward_tokenizer = None, None
@@ -339,14 +361,18 @@ class Trainer:
         """Old log-probs (actor), reference log-probs and values (critic) of the shard, without gradients."""
         temp = self.cfg.rollout.temperature
         b = shard.batch
-        needed = self.old_logprobs_forward or self.ref is not None or self.critic is not None
+        needed = self.old_logprobs_forward or self.use_ref or self.critic is not None
         mbs = self._micro_batches(b, torch.arange(b.size)) if needed else []
         size, width = b.size, b.responses.shape[1]
         self.actor.eval()
         old_lp = forward_micro_batches(policy_forward, self.actor, mbs, size, width, temperature=temp) \
             if self.old_logprobs_forward else None
-        ref_lp = forward_micro_batches(policy_forward, self.ref, mbs, size, width, temperature=temp) \
-            if self.ref else None
+        ref_lp = None
+        if self.ref is not None:
+            ref_lp = forward_micro_batches(policy_forward, self.ref, mbs, size, width, temperature=temp)
+        elif self.use_ref:  # LoRA: the base weights are the initial policy
+            with self.actor.module.disable_adapter():
+                ref_lp = forward_micro_batches(policy_forward, self.actor, mbs, size, width, temperature=temp)
         values = None
         if self.critic is not None:
             self.critic.eval()
@@ -394,7 +420,7 @@ class Trainer:
         """Every rank joins the gather of the updated actor; rank 0 hands it to the pipeline, which pushes it to
         the rollout servers now (synchronous) or once the batches of older versions are generated (async)."""
         self.policy_version = step + 1
-        sd = gather_state_dict(self.actor)
+        sd = policy_state_dict(self.actor, self.lora)
         every = self.cfg.trainer.check_sync_every
         probe = self._sync_probe(payload) if every and (step + 1) % every == 0 else None
         sync = {}
@@ -445,7 +471,7 @@ class Trainer:
         """Average the ranks' statistics, update the KL controller; the step's metrics on rank 0."""
         cfg, dist = self.cfg, self.dist
         mask = shard.batch.response_mask
-        kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.ref else 0.0) / dist.world_size
+        kl_mean = all_reduce_scalar(float(masked_mean(kl_tok, mask)) if self.use_ref else 0.0) / dist.world_size
         self.kl_ctl.update(kl_mean, cfg.samples_per_step)
         # Maxima stay maxima over the ranks; everything else is the ranks' mean.
         metrics = {k: all_reduce_scalar(v, "max") if k.endswith("_max") else all_reduce_scalar(v) / dist.world_size
@@ -553,7 +579,7 @@ class Trainer:
         total = cfg.trainer.steps
         if self.step > 0:
             # The servers start from the initial weights: give them the resumed policy first.
-            sd = gather_state_dict(self.actor)
+            sd = policy_state_dict(self.actor, self.lora)
             if dist.is_main:
                 self.pipeline.push(list(sd.items()), self.policy_version)
             del sd
@@ -612,7 +638,9 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         t0 = time.time()
-        hf_sd = gather_state_dict(self.actor) if self.cfg.checkpoint.save_hf else None
+        hf_sd = None
+        if self.cfg.checkpoint.save_hf:  # the adapters alone under LoRA (a PEFT folder)
+            hf_sd = adapter_state_dict(self.actor) if self.lora else gather_state_dict(self.actor)
         pending, shaper = None, None
         if self.dist.is_main:
             # Batches generated ahead (async) belong to the checkpoint; their rewards are shaped when trained on.
@@ -621,6 +649,7 @@ class Trainer:
         state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": shaper,
                  "seed": self.cfg.seed}
         path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
-                               self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank, pending)
+                               self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank, pending,
+                               lora=self.cfg.model.lora, base_path=str(self.cfg.model.path))
         if self.dist.is_main:
             log.info("checkpoint %s written in %.1fs", path, time.time() - t0)

@@ -1,0 +1,116 @@
+"""A rollout engine that takes LoRA adapters as weight updates (model.lora): the trainer pushes the adapters only,
+this wrapper merges each into its weight (W0 + alpha / rank * B @ A, W0 read once from model.path) and loads the
+merged weights into the engine it wraps. Generation then runs at the base model's speed, with no adapter kernels;
+see bench/README.md "LoRA" for the measurements behind this choice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..models.lora import adapter_specs, merged, scaling, split_wire_name
+from .engine import Engine, SampleOut, SamplingParams
+from .weights import WeightError
+
+log = logging.getLogger("hpc_rl")
+
+
+def read_base_weights(model_path: str, names: set[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of an HF folder's safetensors files, on CPU (only the files that hold them are opened)."""
+    from safetensors import safe_open
+
+    folder = Path(model_path)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({weight_map[n] for n in names if n in weight_map})
+    else:
+        files = [p.name for p in sorted(folder.glob("*.safetensors"))]
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(folder / f), framework="pt") as sf:
+            for n in set(sf.keys()) & names:
+                out[n] = sf.get_tensor(n)
+    missing = names - set(out)
+    if missing:
+        raise WeightError(f"weights: {model_path} has no tensor {sorted(missing)[0]!r} to merge an adapter into; "
+                          "model.path must hold the base model's safetensors weights")
+    return out
+
+
+class LoraMergingEngine(Engine):
+    """Serves `inner`; accepts adapter tensors (models.lora wire names) besides whole weights."""
+
+    def __init__(self, inner: Engine, model_path: str, lora):
+        self.inner = inner
+        self.name = inner.name
+        self.loop = inner.loop
+        self.device = getattr(inner, "device", "cpu")
+        self.model_path = model_path
+        self.scale = scaling(lora)
+        self.rank = int(lora.rank)
+        self._base: dict[str, torch.Tensor] = {}  # W0 of every adapted weight, read from model_path once
+        self._pending: list[tuple[str, torch.Tensor]] = []  # this version's tensors until reset_cache
+        self.whole_layers = bool(getattr(inner, "reloads_whole_layers", False))
+        self._specs = None
+
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+        return self.inner.generate(prompt_token_ids, params)
+
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+        return self.inner.prompt_logprobs(token_ids, prompt_lens)
+
+    async def generate_async(self, prompt_token_ids, params):
+        return await self.inner.generate_async(prompt_token_ids, params)
+
+    async def prompt_logprobs_async(self, token_ids, prompt_lens):
+        return await self.inner.prompt_logprobs_async(token_ids, prompt_lens)
+
+    def param_specs(self) -> dict:
+        if self._specs is None:
+            base = self.inner.param_specs()
+            self._specs = {**base, **adapter_specs(base, self.rank)}
+        return self._specs
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Buffer a version's tensors (a collective push may bring an adapter's A and B in different buckets);
+        reset_cache, which the servers call after a version's last load, merges and loads them."""
+        self._pending.extend(named_tensors)
+
+    def reset_cache(self) -> None:
+        """Merge the buffered adapters into their weights and load everything into the engine at once."""
+        pending, self._pending = self._pending, []
+        plain, pairs = {}, {}
+        for name, t in pending:
+            parts = split_wire_name(name)
+            if parts is None:
+                plain[name] = t
+            else:
+                pairs.setdefault(parts[0], {})[parts[1]] = t
+        half = sorted(w for w, p in pairs.items() if len(p) != 2)
+        if half:
+            raise WeightError(f"weights: the adapter of {half[0]} came without its "
+                              f"{'lora_B' if 'lora_A' in pairs[half[0]] else 'lora_A'}; push both halves of every "
+                              "adapter in one version")
+        need = set(pairs)
+        if self.whole_layers:  # every weight of each layer an adapter touches (see reloads_whole_layers)
+            parents = {w.rsplit(".", 2)[0] for w in pairs}
+            need |= {n for n in self.inner.param_specs() if n.rsplit(".", 2)[0] in parents and n not in plain}
+        missing = need - set(self._base)
+        if missing:
+            self._base.update(read_base_weights(self.model_path, missing))
+        out = {n: self._base[n] for n in need}
+        # float32: the engine casts to what it serves (a bfloat16 W0 file must not round the trainer's sum).
+        out.update({w: merged(self._base[w], p["lora_A"], p["lora_B"], self.scale, torch.float32)
+                    for w, p in pairs.items()})
+        out.update(plain)
+        if out:
+            self.inner.load_weights(list(out.items()))
+        self.inner.reset_cache()
+
+    def close(self) -> None:
+        self.inner.close()

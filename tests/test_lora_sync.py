@@ -1,0 +1,153 @@
+"""LoRA weight sync: a rollout server of a model.lora job takes the actor's adapters (and nothing else) over every
+transport and then serves the adapted model: its log-probs equal a PeftModel's (fp32 both sides)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+import torch
+
+from hpc_rl.config import LoraConfig
+from hpc_rl.models import load_causal_lm
+from hpc_rl.models.lora import adapter_specs, merged, resolve_targets, split_wire_name, wire_name
+from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.testing import make_run, start_server, stop_server
+
+TOL = 1e-4
+SEQS, LENS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [2, 1]
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def adapted(model_dir, seed: int):
+    """A PeftModel of the tiny model with random (non-zero) adapters: the policy a LoRA trainer would push."""
+    from peft import get_peft_model
+
+    from hpc_rl.models.lora import peft_config
+
+    base = load_causal_lm(model_dir).eval()
+    lora = LoraConfig(**LORA)
+    m = get_peft_model(base, peft_config(lora, resolve_targets(base, lora.target_modules, "model.lora")))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return m.eval()
+
+
+def adapters_of(m) -> list:
+    return [(wire_name(n), p.detach().clone()) for n, p in m.named_parameters() if wire_name(n)]
+
+
+def hf_logprobs(model):
+    out = []
+    for seq, pl in zip(SEQS, LENS):
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
+        out.append([lp[j - 1, seq[j]].item() for j in range(pl, len(seq))])
+    return out
+
+
+def max_diff(got, want) -> float:
+    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def served(url, s):
+    r = s.post(url + "/logprobs", json={"token_ids": SEQS, "prompt_lens": LENS}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["logprobs"]
+
+
+def test_wire_names_and_merge_by_hand():
+    assert wire_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
+        "model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert wire_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") is None
+    assert split_wire_name("model.layers.1.mlp.down_proj.lora_B.weight") == ("model.layers.1.mlp.down_proj.weight",
+                                                                              "lora_B")
+    assert split_wire_name("model.layers.1.mlp.down_proj.weight") is None
+    w0 = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # out 3, in 2
+    a = torch.tensor([[1.0, -1.0]])  # rank 1 x in
+    b = torch.tensor([[2.0], [0.0], [-1.0]])  # out x rank 1
+    # W0 + 0.5 * B @ A = W0 + 0.5 * [[2, -2], [0, 0], [-1, 1]]
+    assert torch.equal(merged(w0, a, b, 0.5), torch.tensor([[2.0, 1.0], [3.0, 4.0], [4.5, 6.5]]))
+    specs = adapter_specs({"x.weight": ((3, 2), torch.float32), "x.bias": ((3,), torch.float32)}, rank=4)
+    assert specs == {"x.lora_A.weight": ((4, 2), torch.float32), "x.lora_B.weight": ((3, 4), torch.float32)}
+
+
+def test_target_modules_that_match_nothing_name_the_linear_modules(tiny_model):
+    from hpc_rl.errors import ConfigError
+
+    m = load_causal_lm(tiny_model)
+    names = resolve_targets(m, ["q_proj"], "model.lora")
+    assert names == ["model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"]
+    assert "lm_head" not in " ".join(resolve_targets(m, ["all-linear"], "model.lora"))
+    with pytest.raises(ConfigError) as e:
+        resolve_targets(m, ["q_proj", "qkv"], "model.lora")
+    msg = str(e.value)
+    assert "model.lora.target_modules: 'qkv' matches no linear module" in msg and "'down_proj'" in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.slow
+def test_adapters_over_every_transport_serve_the_adapted_model(tiny_model, tmp_path):
+    run = make_run(tmp_path / "runs", tiny_model, model={"lora": LORA}, max_model_len=32)
+    proc, info = start_server(run, 0, timeout_s=120)
+    try:
+        url = info["url"]
+        s = requests.Session()
+        s.headers["Authorization"] = "Bearer " + run.read_token()
+        base = hf_logprobs(load_causal_lm(tiny_model).eval())
+        assert max_diff(served(url, s), base) < TOL
+        client = RolloutClient(run, run.read_token(), timeout_s=60, retries=0, weight_sync="http")
+        for version, transport in enumerate(("http", "file", "collective"), start=1):
+            client.weight_sync = transport
+            m = adapted(tiny_model, version)
+            named = adapters_of(m)
+            stats = client.push_weights(named, version=version)
+            assert stats["transport"] == transport
+            assert s.get(url + "/version", timeout=5).json()["policy_version"] == version
+            d = max_diff(served(url, s), hf_logprobs(m))
+            assert d < TOL, (transport, d)
+            assert max_diff(served(url, s), base) > 10 * TOL  # the adapters changed what it serves
+            # adapter-sized: the pushed bytes are the adapters', a small part of the model
+            if transport != "collective":
+                full = sum(t.numel() * t.element_size() for t in m.get_base_model().state_dict().values())
+                assert stats["bytes"] < 0.2 * full
+        # A pushed adapter of the wrong rank is refused in one line; the served weights stay.
+        bad = [(n, torch.zeros(8, t.shape[1]) if n.endswith("lora_A.weight") else t) for n, t in named][:2]
+        client.weight_sync = "http"
+        with pytest.raises(Exception) as e:
+            client.push_weights(bad, version=9)
+        assert "has shape [8, 128] but the served model expects [4, 128]" in str(e.value)
+        assert max_diff(served(url, s), hf_logprobs(m)) < TOL
+        client.close()
+    finally:
+        stop_server(proc, timeout_s=30)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_merges_adapters_over_collective_and_file(tiny_model, tmp_path):
+    run = make_run(tmp_path / "runs", tiny_model, model={"lora": LORA}, engine="vllm", dtype="float32",
+                   max_model_len=64, request_timeout_s=120, retries=0)
+    t0 = time.monotonic()
+    proc, info = start_server(run, 0, timeout_s=300, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    try:
+        assert info["engine"] == "vllm", info
+        url = info["url"]
+        s = requests.Session()
+        s.headers["Authorization"] = "Bearer " + run.read_token()
+        client = RolloutClient(run, run.read_token(), timeout_s=120, retries=0, weight_sync="collective")
+        for version, transport in enumerate(("collective", "file", "http"), start=1):
+            client.weight_sync = transport
+            m = adapted(tiny_model, 10 + version)
+            assert client.push_weights(adapters_of(m), version=version)["transport"] == transport
+            d = max_diff(served(url, s), hf_logprobs(m))
+            print(f"vLLM fp32 with merged adapters ({transport}) vs PeftModel fp32: max |diff| {d:.2e}")
+            assert d < TOL, (transport, d)
+        client.close()
+        print(f"vLLM LoRA server up and checked in {time.monotonic() - t0:.0f}s")
+    finally:
+        stop_server(proc, timeout_s=30)
