@@ -45,7 +45,7 @@ def test_reference_is_the_actor_with_adapters_off_and_syncs_push_adapters(lora_r
     for x in rows:
         # the server serves what the actor computes, after each push of adapters only
         assert x["sync_max_diff"] is not None and x["sync_max_diff"] < 1e-4, x
-        assert 0 < x["sync_bytes"] <= adapters and x["sync_bytes"] < 0.15 * base, (x["sync_bytes"], base)
+        assert 0 < x["sync_bytes"] <= adapters and x["sync_bytes"] < 0.25 * base, (x["sync_bytes"], base)
     log = (run / "logs" / "rollout-0.log").read_text()
     assert "weight updates are LoRA adapters" in log
 
