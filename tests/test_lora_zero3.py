@@ -22,7 +22,8 @@ def _job(policy_dir: str) -> config.JobConfig:
     return config.load_dict({"model": {"path": policy_dir, "lora": {"rank": 4, "alpha": 8, "target_modules": ["all-linear"]},
                                        "critic_lora": {"rank": 2, "target_modules": ["q_proj", "v_proj"]}},
                              "algorithm": {"name": "ppo", "kl": {"coef": 0.01}},
-                             "trainer": {"device": "cpu", "prompts_per_step": 2, "mini_batch_size": 4}})
+                             "trainer": {"device": "cpu", "prompts_per_step": 2, "mini_batch_size": 4,
+                                         "lr": 1e-2}})
 
 
 def _rank(rank: int, world: int, port: int, policy_dir: str, out_dir: str) -> None:
@@ -44,6 +45,7 @@ def _rank(rank: int, world: int, port: int, policy_dir: str, out_dir: str) -> No
     opt_params = sum(int(getattr(p, "ds_numel", p.numel())) for g in actor.optimizer.param_groups for p in g["params"]) \
         if hasattr(actor.optimizer, "param_groups") else None
     batch = pack(PROMPTS, RESPONSES, 0)
+    initial = adapter_state_dict(actor)
     # One optimizer step moves the adapters (B starts at zero: the adapted model starts as the base).
     actor.train()
     lp, _ = policy_forward(actor, batch)
@@ -56,6 +58,8 @@ def _rank(rank: int, world: int, port: int, policy_dir: str, out_dir: str) -> No
         with actor.module.disable_adapter():
             ref, _ = policy_forward(actor, batch)
     adapters = adapter_state_dict(actor)
+    if rank == 0:
+        torch.save({"initial": initial, "after": adapters}, os.path.join(out_dir, "adapters.pt"))
     out = {"frozen": frozen, "trained": trained, "critic_trained": critic_trained, "opt_params": opt_params,
            "before": before.tolist(), "adapted": adapted.tolist(), "ref": ref.tolist(),
            "adapters": sorted(adapters) if adapters is not None else None}
@@ -96,3 +100,39 @@ def test_lora_actor_and_critic_on_two_zero3_ranks(tiny_model, tmp_path):
     # Rank 0 gathers the adapters under their wire names; the others get None.
     assert r0["adapters"] and all(n.endswith(("lora_A.weight", "lora_B.weight")) for n in r0["adapters"])
     assert r1["adapters"] is None
+    # The ZeRO-3 step equals one step of a plain PeftModel from the same adapters: same loss, AdamW, clipping.
+    saved = torch.load(tmp_path / "adapters.pt")
+    cfg = _job(str(tiny_model))
+    plain = _plain_peft(tiny_model, cfg, saved["initial"])
+    params = [p for p in plain.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.trainer.lr, betas=tuple(cfg.trainer.betas), weight_decay=0.0)
+    batch = pack(PROMPTS, RESPONSES, 0)
+    plain.train()
+    lp, _ = policy_forward(plain, batch)
+    (-(lp * batch.response_mask).sum()).backward()
+    torch.nn.utils.clip_grad_norm_(params, cfg.trainer.grad_clip)
+    opt.step()
+    from hpc_rl.models.lora import wire_name
+
+    mine = {wire_name(n): p.detach() for n, p in plain.named_parameters() if wire_name(n)}
+    assert mine.keys() == saved["after"].keys()
+    moved = max(float((saved["after"][n] - saved["initial"][n]).abs().max()) for n in mine)
+    diff = max(float((saved["after"][n] - mine[n]).abs().max()) for n in mine)
+    assert moved > 1e-3 and diff < 1e-5, (moved, diff)
+
+
+def _plain_peft(model_dir, cfg, adapters: dict):
+    """The tiny model wrapped by PEFT as the trainer wraps it, with `adapters` (wire names) loaded."""
+    from peft import get_peft_model
+
+    from hpc_rl.models import load_causal_lm
+    from hpc_rl.models.lora import peft_config, resolve_targets, wire_name
+
+    base = load_causal_lm(model_dir)
+    m = get_peft_model(base, peft_config(cfg.model.lora, resolve_targets(base, cfg.model.lora.target_modules,
+                                                                         "model.lora")))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if wire_name(n):
+                p.copy_(adapters[wire_name(n)])
+    return m

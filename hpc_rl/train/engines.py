@@ -60,6 +60,13 @@ def _with_lora(model, lora, key: str, keep_trained: tuple[str, ...] = ()):
     for name, p in model.named_parameters():
         if any(f".{k}." in f".{name}" for k in keep_trained):
             p.requires_grad_(True)
+    # Each adapted layer is one ZeRO-3 leaf: its parameters are fetched together at its forward, with no hooks
+    # on its A, B and dropout submodules (with them, a 25M model's forward took 1.85x as long on CPU).
+    from deepspeed.utils import set_z3_leaf_modules
+    from peft.tuners.lora import LoraLayer
+
+    set_z3_leaf_modules(model, [LoraLayer])
+    model.enable_input_require_grads()
     return model
 
 
