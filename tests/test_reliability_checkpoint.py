@@ -110,7 +110,9 @@ def test_prune_never_deletes_latest(run):
 class _ShardWriter:
     """Writes what DeepSpeed's save_checkpoint leaves on disk (a shard file under DIR/TAG), nothing else."""
 
-    def save_checkpoint(self, save_dir, tag, save_latest):
+    module = torch.nn.Linear(1, 1)  # all trained: no frozen parameters to leave out
+
+    def save_checkpoint(self, save_dir, tag, save_latest, exclude_frozen_parameters=False):
         d = os.path.join(save_dir, tag)
         os.makedirs(d)
         torch.save({"w": torch.arange(64, dtype=torch.float32)}, os.path.join(d, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
