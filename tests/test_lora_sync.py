@@ -151,3 +151,18 @@ def test_vllm_merges_adapters_over_collective_and_file(tiny_model, tmp_path):
         print(f"vLLM LoRA server up and checked in {time.monotonic() - t0:.0f}s")
     finally:
         stop_server(proc, timeout_s=30)
+
+
+def test_adapted_model_keeps_the_memory_lean_log_prob_path(tiny_model):
+    """A PeftModel forwards logits_to_keep to the model it wraps: the output layer runs on the response positions
+    only, in chunks (issue 14), and gives the log-probs of the full-logits computation."""
+    from hpc_rl.train import experience as ex
+
+    m = adapted(tiny_model, 7)
+    assert ex._takes_logits_to_keep(m) and ex._lean_head(m) is not None
+    b = ex.pack([[5, 6, 7, 8, 9], [5, 6, 7, 8, 9]], [[9, 9, 9], [4, 5]], 0)
+    with torch.no_grad():
+        got, _ = ex.policy_forward(m, b)
+        logits = m(input_ids=b.input_ids, attention_mask=b.attention_mask, position_ids=b.position_ids).logits
+        want, _ = ex.token_logprobs(logits[:, b.prompt_len - 1:-1], b.responses)
+    assert float(((got - want) * b.response_mask).abs().max()) < 1e-5

@@ -175,8 +175,11 @@ _KEEP_ARG: dict[type, bool] = {}
 
 
 def _takes_logits_to_keep(model) -> bool:
-    """Whether the (wrapped) model's forward accepts logits_to_keep, as transformers' causal LMs do."""
+    """Whether the (wrapped) model's forward accepts logits_to_keep, as transformers' causal LMs do; a PeftModel
+    passes it on to the model it wraps."""
     module = getattr(model, "module", model)
+    if hasattr(module, "get_base_model"):  # PEFT's forward(*args, **kwargs)
+        module = module.get_base_model()
     cls = type(module)
     if cls not in _KEEP_ARG:
         _KEEP_ARG[cls] = "logits_to_keep" in inspect.signature(module.forward).parameters
