@@ -51,12 +51,9 @@ def make_job(rank: int | None, steps: int, model: Path) -> dict:
 def counts(model: Path, rank: int | None) -> dict:
     """Trainable parameters as the trainer wraps the model, and the bytes of the adapted weights (what a push of
     merged deltas would carry) against the adapters' own."""
-    import torch  # noqa: F401
-    from peft import get_peft_model
-
     from hpc_rl.config import LoraConfig
     from hpc_rl.models import load_causal_lm
-    from hpc_rl.models.lora import peft_config, resolve_targets
+    from hpc_rl.models.lora import resolve_targets, with_adapters
 
     m = load_causal_lm(model)
     total = sum(p.numel() for p in m.parameters())
@@ -66,7 +63,7 @@ def counts(model: Path, rank: int | None) -> dict:
     targets = resolve_targets(m, lora.target_modules, "model.lora")
     mods = dict(m.named_modules())
     adapted_bytes = sum(mods[t].weight.numel() * 4 for t in targets)
-    pm = get_peft_model(m, peft_config(lora, targets))
+    pm = with_adapters(m, lora, "model.lora")
     trainable = sum(p.numel() for p in pm.parameters() if p.requires_grad)
     return {"trainable": trainable, "total": total, "merged_delta_bytes": adapted_bytes, "adapter_bytes": 4 * trainable}
 
@@ -109,15 +106,12 @@ def serve_comparison(model: Path, work: Path, reps: int) -> dict | None:
         print(f"[lora] vLLM does not import ({e}); the serving comparison is not run")
         return None
     import torch
-    from peft import get_peft_model
 
     from hpc_rl.config import LoraConfig
     from hpc_rl.models import load_causal_lm
-    from hpc_rl.models.lora import peft_config, resolve_targets
+    from hpc_rl.models.lora import with_adapters
 
-    base = load_causal_lm(model)
-    lora = LoraConfig(rank=8, alpha=16)
-    pm = get_peft_model(base, peft_config(lora, resolve_targets(base, lora.target_modules, "model.lora"), str(model)))
+    pm = with_adapters(load_causal_lm(model), LoraConfig(rank=8, alpha=16), "model.lora", base_path=str(model))
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for n, p in pm.named_parameters():

@@ -14,21 +14,17 @@ from hpc_rl.models import load_causal_lm
 from hpc_rl.models.lora import adapter_specs, merged, resolve_targets, split_wire_name, wire_name
 from hpc_rl.rollout.client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
+from tests.logprob_checks import local_logprobs, max_diff, served_logprobs
 
 TOL = 1e-4
-SEQS, LENS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [2, 1]
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
 
 def adapted(model_dir, seed: int):
     """A PeftModel of the tiny model with random (non-zero) adapters: the policy a LoRA trainer would push."""
-    from peft import get_peft_model
+    from hpc_rl.models.lora import with_adapters
 
-    from hpc_rl.models.lora import peft_config
-
-    base = load_causal_lm(model_dir).eval()
-    lora = LoraConfig(**LORA)
-    m = get_peft_model(base, peft_config(lora, resolve_targets(base, lora.target_modules, "model.lora")))
+    m = with_adapters(load_causal_lm(model_dir).eval(), LoraConfig(**LORA), "model.lora")
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -39,25 +35,6 @@ def adapted(model_dir, seed: int):
 
 def adapters_of(m) -> list:
     return [(wire_name(n), p.detach().clone()) for n, p in m.named_parameters() if wire_name(n)]
-
-
-def hf_logprobs(model):
-    out = []
-    for seq, pl in zip(SEQS, LENS):
-        with torch.no_grad():
-            lp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0].float(), -1)
-        out.append([lp[j - 1, seq[j]].item() for j in range(pl, len(seq))])
-    return out
-
-
-def max_diff(got, want) -> float:
-    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
-
-
-def served(url, s):
-    r = s.post(url + "/logprobs", json={"token_ids": SEQS, "prompt_lens": LENS}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["logprobs"]
 
 
 def test_wire_names_and_merge_by_hand():
@@ -98,8 +75,8 @@ def test_adapters_over_every_transport_serve_the_adapted_model(tiny_model, tmp_p
         url = info["url"]
         s = requests.Session()
         s.headers["Authorization"] = "Bearer " + run.read_token()
-        base = hf_logprobs(load_causal_lm(tiny_model).eval())
-        assert max_diff(served(url, s), base) < TOL
+        base = local_logprobs(load_causal_lm(tiny_model).eval())
+        assert max_diff(served_logprobs(url, s), base) < TOL
         client = RolloutClient(run, run.read_token(), timeout_s=60, retries=0, weight_sync="http")
         for version, transport in enumerate(("http", "file", "collective"), start=1):
             client.weight_sync = transport
@@ -108,9 +85,9 @@ def test_adapters_over_every_transport_serve_the_adapted_model(tiny_model, tmp_p
             stats = client.push_weights(named, version=version)
             assert stats["transport"] == transport
             assert s.get(url + "/version", timeout=5).json()["policy_version"] == version
-            d = max_diff(served(url, s), hf_logprobs(m))
+            d = max_diff(served_logprobs(url, s), local_logprobs(m))
             assert d < TOL, (transport, d)
-            assert max_diff(served(url, s), base) > 10 * TOL  # the adapters changed what it serves
+            assert max_diff(served_logprobs(url, s), base) > 10 * TOL  # the adapters changed what it serves
             # adapter-sized: the pushed bytes are the adapters', a small part of the model
             if transport != "collective":
                 full = sum(t.numel() * t.element_size() for t in m.get_base_model().state_dict().values())
@@ -121,7 +98,7 @@ def test_adapters_over_every_transport_serve_the_adapted_model(tiny_model, tmp_p
         with pytest.raises(Exception) as e:
             client.push_weights(bad, version=9)
         assert "has shape [8, 128] but the served model expects [4, 128]" in str(e.value)
-        assert max_diff(served(url, s), hf_logprobs(m)) < TOL
+        assert max_diff(served_logprobs(url, s), local_logprobs(m)) < TOL
         client.close()
     finally:
         stop_server(proc, timeout_s=30)
@@ -144,7 +121,7 @@ def test_vllm_merges_adapters_over_collective_and_file(tiny_model, tmp_path):
             client.weight_sync = transport
             m = adapted(tiny_model, 10 + version)
             assert client.push_weights(adapters_of(m), version=version)["transport"] == transport
-            d = max_diff(served(url, s), hf_logprobs(m))
+            d = max_diff(served_logprobs(url, s), local_logprobs(m))
             print(f"vLLM fp32 with merged adapters ({transport}) vs PeftModel fp32: max |diff| {d:.2e}")
             assert d < TOL, (transport, d)
         client.close()

@@ -123,14 +123,10 @@ def test_lora_actor_and_critic_on_two_zero3_ranks(tiny_model, tmp_path):
 
 def _plain_peft(model_dir, cfg, adapters: dict):
     """The tiny model wrapped by PEFT as the trainer wraps it, with `adapters` (wire names) loaded."""
-    from peft import get_peft_model
-
     from hpc_rl.models import load_causal_lm
-    from hpc_rl.models.lora import peft_config, resolve_targets, wire_name
+    from hpc_rl.models.lora import wire_name, with_adapters
 
-    base = load_causal_lm(model_dir)
-    m = get_peft_model(base, peft_config(cfg.model.lora, resolve_targets(base, cfg.model.lora.target_modules,
-                                                                         "model.lora")))
+    m = with_adapters(load_causal_lm(model_dir), cfg.model.lora, "model.lora")
     with torch.no_grad():
         for n, p in m.named_parameters():
             if wire_name(n):

@@ -17,11 +17,11 @@ from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
 from hpc_rl.rollout.client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
+from tests.logprob_checks import local_logprobs, perturbed, served_logprobs
 
 pytestmark = pytest.mark.slow
 
 CORPUS = [f"{i} + {i} = {2 * i}" for i in range(100)]
-SEQS, LENS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [2, 1]
 # fp32 on both sides; the server batches (right-padded) while the test runs one unpadded sequence.
 TOL = 1e-5
 
@@ -40,30 +40,6 @@ def srv(tmp_path_factory):
     ns.startup_s = time.monotonic() - t0
     yield ns
     stop_server(proc)
-
-
-def local_logprobs(model, seqs=SEQS, lens=LENS):
-    out = []
-    for seq, pl in zip(seqs, lens):
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-        out.append([lp[j - 1, seq[j]].item() for j in range(pl, len(seq))])
-    return out
-
-
-def served_logprobs(srv):
-    r = srv.s.post(srv.url + "/logprobs", json={"token_ids": SEQS, "prompt_lens": LENS}, timeout=30)
-    assert r.status_code == 200, r.text
-    return r.json()["logprobs"]
-
-
-def perturbed(model_dir, seed):
-    m = load_causal_lm(model_dir).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return m
 
 
 def test_rendezvous_and_health(srv):
@@ -118,8 +94,8 @@ def test_logprobs_equal_local_model(srv):
     # this runs before any weight push: the served weights are the folder's
     assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 0
     want = local_logprobs(load_causal_lm(srv.model_dir).eval())
-    assert served_logprobs(srv)[0] == pytest.approx(want[0], abs=TOL)
-    assert served_logprobs(srv)[1] == pytest.approx(want[1], abs=TOL)
+    assert served_logprobs(srv.url, srv.s, 30)[0] == pytest.approx(want[0], abs=TOL)
+    assert served_logprobs(srv.url, srv.s, 30)[1] == pytest.approx(want[1], abs=TOL)
 
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POST", "/generate"),
@@ -181,7 +157,7 @@ def test_weight_push_http_and_file(srv):
     assert stats["transport"] == "http" and stats["bytes"] > 1_000_000
     assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 1
     want = local_logprobs(m1)
-    got = served_logprobs(srv)
+    got = served_logprobs(srv.url, srv.s, 30)
     for g, w in zip(got, want):
         assert g == pytest.approx(w, abs=TOL)
     base = local_logprobs(load_causal_lm(srv.model_dir).eval())
@@ -198,7 +174,7 @@ def test_weight_push_http_and_file(srv):
         for p in m2.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     want = local_logprobs(m2)
-    for g, w in zip(served_logprobs(srv), want):
+    for g, w in zip(served_logprobs(srv.url, srv.s, 30), want):
         assert g == pytest.approx(w, abs=TOL)
     client.close()
 
@@ -241,24 +217,24 @@ def test_weight_push_collective(srv):
         assert stats["transport"] == "collective" and stats["bytes"] == sum(
             t.numel() * 4 for t in m.state_dict().values())
         assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == version
-        for g, w in zip(served_logprobs(srv), local_logprobs(m)):
+        for g, w in zip(served_logprobs(srv.url, srv.s, 30), local_logprobs(m)):
             assert g == pytest.approx(w, abs=TOL)
     group = client._sender
     assert group is not None and group.pg is not None  # one group, reused for both versions
     st = srv.s.get(srv.url + "/collective/status", timeout=5).json()
     assert st["joined"] and st["version"] == 4 and not st["busy"] and st["error"] is None
     # a tensor the model does not have is refused before anything is broadcast; the weights stay
-    before = served_logprobs(srv)
+    before = served_logprobs(srv.url, srv.s, 30)
     with pytest.raises(RolloutError, match="not a parameter"):
         client.push_weights([("model.extra.weight", torch.zeros(2))], version=5)
-    assert served_logprobs(srv) == before
+    assert served_logprobs(srv.url, srv.s, 30) == before
     assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == 4
     client.close()
     assert not srv.s.get(srv.url + "/collective/status", timeout=5).json()["joined"]
 
 
 def test_bad_weights_leave_the_model_unchanged(srv):
-    before = served_logprobs(srv)
+    before = served_logprobs(srv.url, srv.s, 30)
     version = srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"]
     r = push_http(srv, {"model.norm.weight": torch.zeros(128), "lm_head.weight": torch.zeros(64, 127)}, 50)
     assert r.status_code == 400 and "'lm_head.weight' has shape [64, 127]" in r.json()["error"]
@@ -270,7 +246,7 @@ def test_bad_weights_leave_the_model_unchanged(srv):
     assert r.status_code == 400
     # staging: a non-final bucket changes nothing; a final bucket with a gap is refused
     assert push_http(srv, {"model.norm.weight": torch.zeros(128)}, 54, bucket=0, final=0).status_code == 200
-    assert served_logprobs(srv) == before
+    assert served_logprobs(srv.url, srv.s, 30) == before
     r = push_http(srv, {"lm_head.weight": torch.zeros(64, 128)}, 54, bucket=2, final=1)
     assert r.status_code == 400 and "bucket(s) [1]" in r.json()["error"]
     # the file transport only reads RUN/weights
@@ -281,7 +257,7 @@ def test_bad_weights_leave_the_model_unchanged(srv):
     r = srv.s.post(srv.url + "/weights/load_file",
                    json={"path": str(srv.run.weights / ".." / "elsewhere.safetensors"), "version": 55}, timeout=10)
     assert r.status_code == 400 and "outside" in r.json()["error"]
-    assert served_logprobs(srv) == before
+    assert served_logprobs(srv.url, srv.s, 30) == before
     assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == version
 
 
@@ -290,7 +266,7 @@ def test_multi_bucket_push_applies_on_final(srv):
     r = push_http(srv, {"lm_head.weight": torch.ones(64, 128)}, 60, bucket=1, final=1)
     assert r.status_code == 200 and r.json() == {"policy_version": 60, "tensors": 2}
     # zero final norm -> zero hidden -> uniform next-token distribution
-    assert served_logprobs(srv)[0] == pytest.approx([-math.log(64)] * 5, abs=1e-5)
+    assert served_logprobs(srv.url, srv.s, 30)[0] == pytest.approx([-math.log(64)] * 5, abs=1e-5)
 
 
 def test_metrics(srv):

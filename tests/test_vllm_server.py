@@ -11,11 +11,11 @@ import time
 
 import pytest
 import requests
-import torch
 
 from hpc_rl.models import load_causal_lm
 from hpc_rl.rollout.client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
+from tests.logprob_checks import local_logprobs, max_diff, perturbed, served_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 
@@ -27,7 +27,6 @@ except Exception as e:  # a broken install raises anything at import
 
 TOL = 1e-4
 STARTUP_LIMIT_S = 300  # ~35 s alone on 2 cores; CI runs other suites beside it
-SEQS, LENS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15]], [2, 1]
 
 
 @pytest.fixture(scope="module")
@@ -48,34 +47,6 @@ def srv(tmp_path_factory, tiny_model):
     stop_server(proc, timeout_s=30)
 
 
-def perturbed(model_dir, seed):
-    m = load_causal_lm(model_dir).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return m
-
-
-def hf_logprobs(model, seqs=SEQS, lens=LENS):
-    out = []
-    for seq, pl in zip(seqs, lens):
-        with torch.no_grad():
-            lp = torch.log_softmax(model(torch.tensor([seq])).logits[0].float(), -1)
-        out.append([lp[j - 1, seq[j]].item() for j in range(pl, len(seq))])
-    return out
-
-
-def max_diff(got, want) -> float:
-    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g, w))
-
-
-def served(srv):
-    r = srv.s.post(srv.url + "/logprobs", json={"token_ids": SEQS, "prompt_lens": LENS}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()["logprobs"]
-
-
 def version(srv) -> int:
     return srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"]
 
@@ -85,7 +56,7 @@ def test_health_within_bounded_time(srv):
     h = srv.s.get(srv.url + "/health", timeout=5).json()
     assert h["status"] == "ok" and h["engine"] == "vllm" and h["policy_version"] == 0
     assert srv.info["engine"] == "vllm"
-    assert max_diff(served(srv), hf_logprobs(load_causal_lm(srv.model_dir).eval())) < TOL
+    assert max_diff(served_logprobs(srv.url, srv.s), local_logprobs(load_causal_lm(srv.model_dir).eval())) < TOL
 
 
 def test_batch_generation_n(srv):
@@ -126,7 +97,7 @@ def test_collective_updates_equal_hf(srv):
         stats = client.push_weights(list(m.state_dict().items()), version=v)
         assert stats["transport"] == "collective"
         assert version(srv) == v
-        diffs.append(max_diff(served(srv), hf_logprobs(m)))
+        diffs.append(max_diff(served_logprobs(srv.url, srv.s), local_logprobs(m)))
         gen = srv.s.post(srv.url + "/generate", json={"prompt_token_ids": [[5, 6]], "max_new_tokens": 4, "seed": 1},
                          timeout=60).json()
         assert gen["policy_version"] == v  # samples carry the version the trainer checks for staleness
@@ -141,14 +112,14 @@ def test_file_update_equals_hf(srv):
     m = perturbed(srv.model_dir, 3)
     assert client.push_weights(list(m.state_dict().items()), version=3)["transport"] == "file"
     assert version(srv) == 3
-    d = max_diff(served(srv), hf_logprobs(m))
+    d = max_diff(served_logprobs(srv.url, srv.s), local_logprobs(m))
     print(f"vLLM fp32 after file update vs HF fp32: max |diff| {d:.2e}")
     assert d < TOL
     # and back to collective with "auto": a new group on the same server
     client.weight_sync = "auto"
     m = perturbed(srv.model_dir, 4)
     assert client.push_weights(list(m.state_dict().items()), version=4)["transport"] == "collective"
-    assert max_diff(served(srv), hf_logprobs(m)) < TOL
+    assert max_diff(served_logprobs(srv.url, srv.s), local_logprobs(m)) < TOL
     client.close()
     m = srv.s.get(srv.url + "/metrics", timeout=5).json()
     assert m["weight_updates"] == 4 and m["policy_version"] == 4 and m["engine"] == "vllm"

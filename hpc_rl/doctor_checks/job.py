@@ -258,12 +258,12 @@ def check_reward_model(ctx: Ctx) -> Result:
 
 def _lora_params(model, lora, key: str, keep: tuple[str, ...] = ()) -> int:
     """Adapter parameters of `lora` on `model`: rank x (in + out) per adapted linear module (+ the kept heads)."""
-    from ..models.lora import resolve_targets
+    from ..models.lora import in_modules, resolve_targets
 
     mods = dict(model.named_modules())
     n = sum(lora.rank * (mods[t].in_features + mods[t].out_features)
             for t in resolve_targets(model, lora.target_modules, key, exclude=keep))
-    return n + sum(p.numel() for name, p in model.named_parameters() if any(f".{k}." in f".{name}" for k in keep))
+    return n + sum(p.numel() for name, p in model.named_parameters() if in_modules(name, keep))
 
 
 @check("job:trainer-memory", needs_job=True)

@@ -25,9 +25,14 @@ _WIRE = re.compile(r"^(.+)\.(lora_[AB])\.weight$")
 CRITIC_HEAD = ("score",)
 
 
-def scaling(lora: LoraConfig) -> float:
+def scaling(alpha: float, rank: int) -> float:
     """The factor of the adapters' output (PEFT's lora_alpha / r)."""
-    return float(lora.alpha) / int(lora.rank)
+    return float(alpha) / int(rank)
+
+
+def in_modules(param_name: str, modules: tuple[str, ...]) -> bool:
+    """Whether a parameter belongs to one of `modules` (module names like `score`, at any depth)."""
+    return any(f".{m}." in f".{param_name}" for m in modules)
 
 
 def linear_module_names(model, exclude: tuple[str, ...] = ()) -> list[str]:
@@ -95,6 +100,19 @@ def check_targets(cfg) -> None:
                         exclude=CRITIC_HEAD)
 
 
+def with_adapters(model, lora: LoraConfig, key: str, exclude: tuple[str, ...] = (), base_path: str | None = None):
+    """`model` wrapped by PEFT with `lora`'s adapters on the linear modules its target_modules select (none of
+    `exclude`); everything else frozen. ConfigError naming `key` when a target selects nothing."""
+    import warnings
+
+    from peft import get_peft_model
+
+    targets = resolve_targets(model, lora.target_modules, key, exclude=exclude)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return get_peft_model(model, peft_config(lora, targets, base_path))
+
+
 def wire_name(peft_param_name: str) -> str | None:
     """`base_model.model.X.lora_A.default.weight` (a PeftModel's parameter) -> `X.lora_A.weight`; None for other
     parameters."""
@@ -106,6 +124,26 @@ def split_wire_name(name: str) -> tuple[str, str] | None:
     """`X.lora_A.weight` -> (`X.weight`, `lora_A`): the weight an adapter tensor belongs to; None for other names."""
     m = _WIRE.match(name)
     return (f"{m.group(1)}.weight", m.group(2)) if m else None
+
+
+def group_adapters(named) -> tuple[dict, dict]:
+    """(tensors that are not adapters, {weight name: {"lora_A": A, "lora_B": B}}) of wire-named tensors."""
+    plain, pairs = {}, {}
+    for name, t in named:
+        parts = split_wire_name(name)
+        if parts is None:
+            plain[name] = t
+        else:
+            pairs.setdefault(parts[0], {})[parts[1]] = t
+    return plain, pairs
+
+
+def unpaired(pairs: dict) -> str | None:
+    """'the adapter of W came without its lora_B' for the first weight with half an adapter in `pairs`, else None."""
+    half = sorted(w for w, p in pairs.items() if len(p) != 2)
+    if not half:
+        return None
+    return f"the adapter of {half[0]} came without its {'lora_B' if 'lora_A' in pairs[half[0]] else 'lora_A'}"
 
 
 def adapter_specs(base_specs: dict, rank: int) -> dict:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..models.lora import adapter_specs, merged, scaling, split_wire_name
+from ..models.lora import adapter_specs, group_adapters, merged, scaling, unpaired
 from .engine import Engine, SampleOut, SamplingParams
 from .weights import WeightError
 
@@ -51,7 +51,7 @@ class LoraMergingEngine(Engine):
         self.loop = inner.loop
         self.device = getattr(inner, "device", "cpu")
         self.model_path = model_path
-        self.scale = scaling(lora)
+        self.scale = scaling(lora.alpha, lora.rank)
         self.rank = int(lora.rank)
         self._base: dict[str, torch.Tensor] = {}  # W0 of every adapted weight, read from model_path once
         self._pending: list[tuple[str, torch.Tensor]] = []  # this version's tensors until reset_cache
@@ -84,18 +84,10 @@ class LoraMergingEngine(Engine):
     def reset_cache(self) -> None:
         """Merge the buffered adapters into their weights and load everything into the engine at once."""
         pending, self._pending = self._pending, []
-        plain, pairs = {}, {}
-        for name, t in pending:
-            parts = split_wire_name(name)
-            if parts is None:
-                plain[name] = t
-            else:
-                pairs.setdefault(parts[0], {})[parts[1]] = t
-        half = sorted(w for w, p in pairs.items() if len(p) != 2)
+        plain, pairs = group_adapters(pending)
+        half = unpaired(pairs)
         if half:
-            raise WeightError(f"weights: the adapter of {half[0]} came without its "
-                              f"{'lora_B' if 'lora_A' in pairs[half[0]] else 'lora_A'}; push both halves of every "
-                              "adapter in one version")
+            raise WeightError(f"weights: {half}; push both halves of every adapter in one version")
         need = set(pairs)
         if self.whole_layers:  # every weight of each layer an adapter touches (see reloads_whole_layers)
             parents = {w.rsplit(".", 2)[0] for w in pairs}

@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..models.lora import PEFT_PREFIX, merged, split_wire_name
+from ..models.lora import PEFT_PREFIX, group_adapters, merged, scaling, unpaired
 from ..models.tiny import atomic_folder
 from ..rundir import find
 from .checkpoint import find_latest, list_checkpoints, step_dir, verify
@@ -39,13 +39,12 @@ def merge_adapter_folder(adapter_dir: Path, base_dir: Path, out: Path) -> int:
     from safetensors.torch import load_file, save_file
 
     conf = json.loads((adapter_dir / "adapter_config.json").read_text())
-    scale = float(conf["lora_alpha"]) / int(conf["r"])
-    pairs: dict[str, dict] = {}
-    for name, t in load_file(str(adapter_dir / "adapter_model.safetensors")).items():
-        parts = split_wire_name(name.removeprefix(PEFT_PREFIX))
-        if parts is None:
-            raise CheckpointError(f"{adapter_dir}: {name} is not a LoRA tensor; the adapter folder is damaged")
-        pairs.setdefault(parts[0], {})[parts[1]] = t
+    scale = scaling(conf["lora_alpha"], conf["r"])
+    saved = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    plain, pairs = group_adapters((n.removeprefix(PEFT_PREFIX), t) for n, t in saved.items())
+    problem = f"{sorted(plain)[0]} is not a LoRA tensor" if plain else unpaired(pairs)
+    if problem:
+        raise CheckpointError(f"{adapter_dir}: {problem}; the adapter folder is damaged")
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{base_dir}: the base model has no .safetensors weights to merge the adapters into")
