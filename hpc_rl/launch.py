@@ -19,6 +19,7 @@ from . import config, rundir
 from .cluster.nccl import nccl_env
 from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
+from .data.toy import toy_chat_template
 from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
@@ -47,6 +48,8 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         load_reward_fn(cfg.reward.function)
     if cfg.reward.monitor:
         load_reward_fn(cfg.reward.monitor, "reward.monitor")
+    if cfg.rollout.env:
+        load_reward_fn(cfg.rollout.env, "rollout.env")
     rm = cfg.reward.model
     if rm is not None and rm.path is not None:
         check_reward_model(rm)
@@ -54,7 +57,8 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if cfg.model.tiny is not None:
-            build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init)
+            build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
+                             chat_template=toy_chat_template(cfg.data.source))
             cfg.model.path = str(run.model_init)
             cfg.model.tiny = None
         else:

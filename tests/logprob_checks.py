@@ -36,3 +36,38 @@ def perturbed(model_dir, seed: int):
         for p in m.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=g))
     return m
+
+
+def multi_turn_check(run, model_dir, max_model_len: int, turns: int = 3, rows: int = 4) -> tuple[float, list]:
+    """Trajectories of tests.envs:EchoEnv sampled by the run's server through the multi-turn loop, and the max
+    |trainer - engine| log-prob over their assistant tokens (the trainer's forward: pack + policy_forward)."""
+    from hpc_rl.models import load_tokenizer
+    from hpc_rl.rollout.client import RolloutClient
+    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
+    from hpc_rl.rollout.environments.tools import ToolContext
+    from hpc_rl.train.experience import pack, policy_forward
+    from tests.envs import EchoEnv
+
+    tok = load_tokenizer(str(model_dir))
+    client = RolloutClient(run, run.read_token())
+    limits = Limits(max_turns=turns, max_total_tokens=max_model_len - 8, tool_timeout_s=30, max_new_tokens=3,
+                    max_model_len=max_model_len)
+    loop = MultiTurnRollout(EchoEnv, {"turns": turns}, tok, client, limits, ToolContext())
+    params = SamplingParams(max_new_tokens=3, seed=5, stop_token_ids=[tok.eos_token_id])
+    trajs, stats = loop.run([{"id": i, "prompt": f"{i} + {i} ="} for i in range(rows)], params, step=0)
+    assert stats["tool_calls_per_sample"] >= 1 and stats["turns_per_sample"] >= 2, stats
+    for t in trajs:
+        assert len(t.response_ids) == len(t.mask) == len(t.logprobs)
+        assert all(lp == 0.0 for lp, m in zip(t.logprobs, t.mask) if m == 0)
+    batch = pack([t.prompt_ids for t in trajs], [t.response_ids for t in trajs], tok.pad_token_id,
+                 [t.mask for t in trajs])
+    model = load_causal_lm(model_dir).eval()
+    with torch.no_grad():
+        mine, _ = policy_forward(model, batch)
+    diff = 0.0
+    for i, t in enumerate(trajs):
+        for j, (lp, m) in enumerate(zip(t.logprobs, t.mask)):
+            if m:
+                diff = max(diff, abs(float(mine[i, j]) - lp))
+    return diff, trajs

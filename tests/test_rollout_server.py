@@ -279,3 +279,13 @@ def test_sigterm_exits_cleanly(srv):
     assert stop_server(srv.proc, timeout_s=15) == 0
     assert not srv.run.rollout_file(0).exists()
     assert "stopping (SIGTERM)" in (srv.run.logs / "rollout-0.log").read_text()
+
+
+def test_multi_turn_logprobs_equal_the_trainers(srv):
+    """A multi-turn sample (assistant turns from the HF engine, tool observations between them, masked): the
+    trainer's log-probs of its assistant tokens equal the engine's."""
+    from tests.logprob_checks import multi_turn_check
+
+    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=32)
+    assert any(0 in t.mask for t in trajs)
+    assert diff < TOL, diff

@@ -1,6 +1,6 @@
 """The toy jobs learn on a 2-core CPU within minutes (issue criterion): the mean reward of the last 5 steps is
 at least 0.8 and at least 0.6 above the first step's; so do they with asynchronous rollouts (one step ahead), and
-the GRPO toy through LoRA adapters alone."""
+the GRPO toy through LoRA adapters alone; the multi-turn toy learns to call its tool."""
 
 import os
 import subprocess
@@ -53,3 +53,23 @@ def test_toy_job_learns_from_the_reward_model_alone(placement, tmp_path):
           f"{rows[0]['reward_mean']:.2f} -> {rows[-1]['reward_mean']:.2f}, curve {[round(x, 2) for x in monitor[::5]]}")
     assert first <= 0.15, monitor
     assert last5 >= 0.7, monitor
+
+
+def test_toy_tool_job_learns_to_call_the_tool(tmp_path):
+    """Multi-turn (jobs/toy-tool-cpu.yaml): the digit is only reachable through the lookup tool; the policy learns
+    to call it and to answer with what it returned: last-5 mean reward >= 0.8 and >= first + 0.6, and a tool-call
+    rate >= 0.9 over the last 5 steps."""
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-tool-cpu.yaml"),
+                        "checkpoint.every=0"], capture_output=True, text=True, cwd=tmp_path, timeout=1800,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    rewards = [row["reward_mean"] for row in rows]
+    calls = [row["tool_calls_per_sample"] for row in rows]
+    first, last5, calls5 = rewards[0], sum(rewards[-5:]) / 5, sum(calls[-5:]) / 5
+    print(f"toy-tool: first {first:.3f}, last-5 mean {last5:.3f}, tool calls/sample {calls[0]:.2f} -> {calls5:.2f}, "
+          f"curve {[round(x, 2) for x in rewards[::10]]}")
+    assert last5 >= 0.8 and last5 - first >= 0.6, rewards
+    assert calls5 >= 0.9, calls
+    assert all(row["truncated_fraction"] == 0.0 and row["tool_errors"] == 0 for row in rows)

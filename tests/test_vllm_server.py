@@ -123,3 +123,12 @@ def test_file_update_equals_hf(srv):
     client.close()
     m = srv.s.get(srv.url + "/metrics", timeout=5).json()
     assert m["weight_updates"] == 4 and m["policy_version"] == 4 and m["engine"] == "vllm"
+
+
+def test_multi_turn_logprobs_equal_the_trainers(srv):
+    """As for the HF engine: vLLM's log-probs of the assistant turns of multi-turn samples equal the trainer's."""
+    from tests.logprob_checks import multi_turn_check
+
+    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=64)
+    assert any(0 in t.mask for t in trajs)
+    assert diff < TOL, diff

@@ -33,14 +33,17 @@ def gae(
     """
     r = _zero_masked(token_rewards, mask)
     v = _zero_masked(values, mask)
+    m = mask.to(torch.bool)
     T = r.shape[1]
     adv = torch.zeros_like(r)
     last = torch.zeros_like(r[:, 0])
+    next_v = torch.zeros_like(last)
     for t in reversed(range(T)):
-        next_v = v[:, t + 1] if t + 1 < T else torch.zeros_like(last)
         delta = r[:, t] + gamma * next_v - v[:, t]
-        # Past the end of a right-padded row r = v = 0, so delta = 0 and `last` stays 0 there.
-        last = delta + gamma * lam * last
+        # Masked tokens (padding; the observations inside a multi-turn sample) are skipped: the token before an
+        # observation bootstraps from the next trained token's value, as verl's multi-turn GAE does.
+        last = torch.where(m[:, t], delta + gamma * lam * last, last)
+        next_v = torch.where(m[:, t], v[:, t], next_v)
         adv[:, t] = last
     adv = _zero_masked(adv, mask)
     return adv, _zero_masked(adv + v, mask)
@@ -98,10 +101,11 @@ def discounted_returns(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: f
     """Returns-to-go G_t = r_t + gamma * G_{t+1} over the response tokens, [B, T] (Sutton & Barto, ch. 3:
     http://incompleteideas.net/book/the-book-2nd.html)."""
     r = _zero_masked(token_rewards, mask)
+    m = mask.to(torch.bool)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(m[:, t], r[:, t] + gamma * running, running)  # observations are not steps
         out[:, t] = running
     return _zero_masked(out, mask)
 

@@ -1,5 +1,7 @@
 """Built-in toy tasks: prompts a random-init tiny model can learn by RL on a CPU in minutes.
 
+lookup: multi-turn; the prompt `find K` names a key, its digit comes only from the lookup tool (LookupEnv).
+
 repeat_digit: the prompt is `copy D :` and the completion should repeat the digit D. The reward
 (hpc_rl.rewards.toy:repeat_digit) is the fraction of the first 4 non-space characters of the
 completion that equal D. A random policy over the ~33-token vocabulary scores about 0.03, so a
@@ -28,9 +30,35 @@ def repeat_digit_corpus() -> list[str]:
     return [f"copy {d} : " + " ".join([d] * 4) for d in "0123456789"] + ["0123456789 :"]
 
 
+def lookup_rows(n: int, seed: int) -> list[dict]:
+    """`n` rows {prompt: `find K`, ground_truth: the digit hidden under key K, id}: the digit is drawn
+    independently of the key, so only the lookup tool (hpc_rl.rollout.environments.toy:LookupEnv) reveals it."""
+    rng = random.Random(seed)
+    return [{"id": i, "prompt": f"find {rng.choice(LOOKUP_KEYS)}", "ground_truth": str(rng.randrange(10))}
+            for i in range(n)]
+
+
+def lookup_corpus() -> list[str]:
+    return [f"find {k} : look = {d} : " + " ".join([d] * 4) for k in LOOKUP_KEYS for d in "0123456789"]
+
+
+LOOKUP_KEYS = "abcdefgh"
+# The tiny tokenizer's chat template for the lookup task: `find K :`, an assistant turn ends with its <eos>, a
+# tool's answer reads ` = D` and the next turn follows it directly.
+LOOKUP_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
+                        "{% elif m['role'] == 'tool' %} = {{ m['content'] }}{% else %}{{ m['content'] }} :"
+                        "{% endif %}{% endfor %}")
+
 TOY_TASKS = {
     "repeat_digit": (repeat_digit_rows, repeat_digit_corpus),
+    "lookup": (lookup_rows, lookup_corpus),
 }
+TOY_CHAT_TEMPLATES = {"lookup": LOOKUP_CHAT_TEMPLATE}
+
+
+def toy_chat_template(source: str) -> str | None:
+    """The chat template a toy task's tiny tokenizer gets (None: the task formats plain text)."""
+    return TOY_CHAT_TEMPLATES.get(source[4:]) if source.startswith("toy:") else None
 
 
 def toy_rows(name: str, n: int, seed: int) -> list[dict]:

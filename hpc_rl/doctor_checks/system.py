@@ -1,4 +1,4 @@
-"""System checks: /dev/shm size, a free master port, a hostname that resolves to a routable address."""
+"""System checks: /dev/shm size, a free master port, a hostname that resolves to a routable address, the sandbox."""
 
 from __future__ import annotations
 
@@ -121,3 +121,16 @@ def _probe_resolve(self: Ctx):
 
 Ctx._probe_hostname = _probe_hostname
 Ctx._probe_resolve = _probe_resolve
+
+
+@check("sandbox")
+def check_sandbox(ctx: Ctx) -> Result:
+    """The python tool's sandbox (multi-turn rollouts) needs user namespaces to isolate model-written code."""
+    from ..rollout.environments.sandbox import namespaces_available
+
+    why = namespaces_available()
+    if why is None:
+        return Result("sandbox", OK, "model-written code can run isolated (user, network, PID and mount namespaces)")
+    return Result("sandbox", WARN, f"model-written code cannot be isolated: {why}",
+                  "only jobs with the python tool need it: ask the admins for unprivileged user namespaces "
+                  "(sysctl user.max_user_namespaces > 0), or set rollout.sandbox.require_isolation: false (rlimits only)")

@@ -59,8 +59,10 @@ def fingerprint(tiny: TinyModelConfig, corpus: list[str]) -> str:
     return h.hexdigest()[:16]
 
 
-def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str | Path) -> Path:
-    """Train a tokenizer on `corpus`, build a random-init model, save both into `out_dir` (atomically)."""
+def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str | Path,
+                     chat_template: str | None = None) -> Path:
+    """Train a tokenizer on `corpus` (with `chat_template`, if given), build a random-init model, save both into
+    `out_dir` (atomically)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,6 +71,8 @@ def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str 
     if (out / "config.json").is_file() and (out / "tokenizer.json").is_file():
         return out
     tok = train_tokenizer(corpus)
+    if chat_template:
+        tok.chat_template = chat_template
     cfg = model_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
     torch.manual_seed(tiny.init_seed)
     model = AutoModelForCausalLM.from_config(cfg)

@@ -98,18 +98,20 @@ def describe(values: np.ndarray, prefix: str) -> dict:
 
 def combine_rewards(parts: dict, cfg: RewardConfig) -> tuple[np.ndarray, dict]:
     """The trained-on reward: reward.weights x each part ('function' scores, the reward model's raw 'model_logits'
-    through its transform), summed; with each part's statistics (and the monitor's mean, never trained on)."""
+    through its transform, the 'environment' rewards of multi-turn rollouts), summed; with each part's statistics
+    (and the monitor's mean, never trained on)."""
     from .model import check_finite, transform
 
     total, stats = None, {}
-    for name in cfg.parts:
+    names = cfg.parts + (["environment"] if "environment" in parts else [])
+    for name in names:
         if name == "model":
             stats.update(describe(np.asarray(parts["model_logits"], dtype=np.float64), "reward_model_logit"))
             values = transform(parts["model_logits"], cfg.model)
             check_finite(values)
-        else:
-            values = np.asarray(parts["function"], dtype=np.float64)
-        if len(cfg.parts) > 1:
+        else:  # "function" scores, or the "environment"'s (multi-turn rollouts, rollout.env)
+            values = np.asarray(parts[name], dtype=np.float64)
+        if len(names) > 1:
             stats.update(describe(values, f"reward_{name}"))
         weighted = cfg.weights.get(name, 1.0) * values
         total = weighted if total is None else total + weighted

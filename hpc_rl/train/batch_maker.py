@@ -20,6 +20,9 @@ from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.client import RolloutClient
 from ..rollout.engine import SamplingParams
+from ..rollout.environments.loop import Limits, MultiTurnRollout
+from ..rollout.environments.sandbox import SandboxLimits
+from ..rollout.environments.tools import ToolContext
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -29,7 +32,7 @@ class BatchMaker:
     """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
 
     def __init__(self, cfg: JobConfig, tokenizer, client: RolloutClient, reward_tokenizer=None,
-                 reward_client: RolloutClient | None = None):
+                 reward_client: RolloutClient | None = None, hide: list | None = None):
         self.cfg, self.tokenizer, self.client = cfg, tokenizer, client
         # Who scores with the reward model (placement: server): the reward nodes' servers, else the rollout servers.
         self.reward_client = reward_client or client
@@ -40,6 +43,18 @@ class BatchMaker:
         self.monitor_cfg = dataclasses.replace(rw, kwargs={}, batched=False)  # reward.kwargs are the function's
         self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
         self.stop_ids = sorted({tokenizer.eos_token_id, *self._single_token_stops()})
+        self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env else None
+
+    def _multi_turn(self, hide: list) -> MultiTurnRollout:
+        """The multi-turn loop of rollout.env; `hide`: paths the tools' sandbox hides (the run dir, its parent)."""
+        r, sb = self.cfg.rollout, self.cfg.rollout.sandbox
+        limits = Limits(r.max_turns, r.total_tokens(self.cfg.data.max_prompt_tokens), r.tool_timeout_s,
+                        r.max_new_tokens, r.max_model_len)
+        sandbox = SandboxLimits(wall_s=sb.wall_s, cpu_s=sb.cpu_s, memory_mb=sb.memory_mb, processes=sb.processes,
+                                output_bytes=sb.output_bytes)
+        env_cls = load_reward_fn(r.env, "rollout.env")
+        return MultiTurnRollout(env_cls, dict(r.env_kwargs), self.tokenizer, self.client, limits,
+                                ToolContext(sandbox, list(hide), sb.require_isolation))
 
     def _single_token_stops(self) -> list[int]:
         ids = []
@@ -59,20 +74,31 @@ class BatchMaker:
                                 top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
                                 seed=(cfg.seed * 1_000_003 + step) % (2**31))
         t0 = time.time()
-        res = self.client.generate([ds.token_ids[i] for i in idx], params, step=step)
+        parts, extra, turn_stats = {}, {}, {}
+        if self.multi_turn is not None:
+            rows = [ds.rows[i] for i in idx for _ in range(a.group_size)]
+            trajs, turn_stats = self.multi_turn.run(rows, params, step)
+            prompt_ids = [t.prompt_ids for t in trajs]
+            resp_ids = [t.response_ids for t in trajs]
+            rollout_lp = [t.logprobs for t in trajs]
+            versions = [int(t.version) for t in trajs]
+            texts = [t.final_text for t in trajs]  # the final answer: what reward functions score
+            extra["response_masks"] = [t.mask for t in trajs]
+            parts["environment"] = [t.env_reward for t in trajs]
+        else:
+            res = self.client.generate([ds.token_ids[i] for i in idx], params, step=step)
+            prompt_ids, resp_ids, texts, rows, rollout_lp, versions = [], [], [], [], [], []
+            for i, samples, version in zip(idx, res.outputs, res.policy_versions):
+                for s in samples:
+                    prompt_ids.append(ds.token_ids[i])
+                    resp_ids.append(list(s.token_ids))
+                    rollout_lp.append(list(s.logprobs))
+                    versions.append(int(version))
+                    texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                    rows.append(ds.rows[i])
         gen_s = time.time() - t0
-        prompt_ids, resp_ids, texts, rows, rollout_lp, versions = [], [], [], [], [], []
-        for i, samples, version in zip(idx, res.outputs, res.policy_versions):
-            for s in samples:
-                prompt_ids.append(ds.token_ids[i])
-                resp_ids.append(list(s.token_ids))
-                rollout_lp.append(list(s.logprobs))
-                versions.append(int(version))
-                texts.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                rows.append(ds.rows[i])
         t1 = time.time()
         prompt_texts = [ds.texts[i] for i in idx for _ in range(a.group_size)]
-        parts, extra = {}, {}
         if self.reward_fn is not None:
             parts["function"] = compute_rewards(self.reward_fn, cfg.reward, prompt_texts, texts, rows).tolist()
         if self.monitor_fn is not None:
@@ -86,8 +112,9 @@ class BatchMaker:
             else:
                 extra["reward_model_ids"] = ids  # scored by the trainer ranks
         reward_s = time.time() - t1
-        gen_tokens = sum(len(x) for x in resp_ids)
-        stats = {"response_len": gen_tokens / len(resp_ids),
+        masks = extra.get("response_masks")
+        gen_tokens = sum(map(sum, masks)) if masks else sum(len(x) for x in resp_ids)
+        stats = {"response_len": sum(len(x) for x in resp_ids) / len(resp_ids), **turn_stats,
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],

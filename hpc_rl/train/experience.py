@@ -41,7 +41,8 @@ class Batch:
         """The same rows cut to their own longest prompt and response (less padding to compute)."""
         P = self.prompt_len
         p = max(1, int(self.attention_mask[:, :P].sum(-1).max()))
-        r = max(1, int(self.response_mask.sum(-1).max()))
+        # Responses are right-padded; the attention mask counts observation tokens too (response_mask 0 inside).
+        r = max(1, int(self.attention_mask[:, P:].sum(-1).max()))
         cols = slice(P - p, P + r)
         return Batch(self.input_ids[:, cols], self.attention_mask[:, cols], self.position_ids[:, cols],
                      self.response_mask[:, :r], p)
@@ -51,8 +52,10 @@ class Batch:
                      self.response_mask.to(device), self.prompt_len)
 
 
-def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> Batch:
-    """Pack token lists; position ids count real tokens only, so left padding does not shift positions."""
+def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+         masks: list[list[int]] | None = None) -> Batch:
+    """Pack token lists; position ids count real tokens only, so left padding does not shift positions.
+    `masks`: per response token 1 (trained) or 0 (an observation of a multi-turn sample); default all 1."""
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in responses))
     B = len(prompts)
@@ -66,6 +69,10 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> B
             att[i, P:P + len(r)] = 1
     pos = (att.cumsum(-1) - 1).clamp(min=0)
     resp_mask = att[:, P:].float()
+    if masks is not None:
+        for i, m in enumerate(masks):
+            if m:
+                resp_mask[i, :len(m)] *= torch.tensor(m, dtype=torch.float32)
     return Batch(ids, att, pos, resp_mask, P)
 
 

@@ -120,7 +120,7 @@ def _group_bounds(starts: list[int], n: int) -> list[tuple[int, int]]:
 def row_lengths(batch: Batch) -> list[tuple[int, int]]:
     """(prompt tokens, response tokens) of every row, padding not counted."""
     p = batch.attention_mask[:, :batch.prompt_len].sum(-1).tolist()
-    r = batch.response_mask.sum(-1).long().tolist()
+    r = batch.attention_mask[:, batch.prompt_len:].sum(-1).tolist()  # observation tokens are computed too
     return list(zip(p, r))
 
 

@@ -211,7 +211,9 @@ class Trainer:
         if cfg.reward.nodes:
             self.reward_client = RolloutClient.from_run_dir(self.run, cfg, kind="reward")
             self.reward_client.wait_ready(cfg.reward.nodes, cfg.rollout.startup_timeout_s)
-        self.maker = BatchMaker(cfg, self.tokenizer, self.client, self.reward_tokenizer, self.reward_client)
+        # Model-written code (the python tool) must not see this run's token nor other runs': the sandbox hides both.
+        self.maker = BatchMaker(cfg, self.tokenizer, self.client, self.reward_tokenizer, self.reward_client,
+                                hide=[self.run.root, self.run.root.parent])
         if self._resumed:
             self.shaper.load_state_dict(self._resumed["shaper"])
         r = cfg.rollout
@@ -342,7 +344,9 @@ class Trainer:
         dist = self.dist
         per_rank = len(payload["prompts"]) // dist.world_size
         rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-        batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id)
+        masks = payload.get("response_masks")  # multi-turn: observation tokens are not trained on
+        batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id,
+                     masks[rows] if masks else None)
         all_scores = torch.tensor(payload["scores"], dtype=torch.float32)
         rollout_lp = pad_rows(payload["rollout_logprobs"][rows], batch.responses.shape[1])
         return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),

@@ -1,0 +1,243 @@
+"""Run model-written Python in a sandbox: its own process, kernel namespaces where the machine allows them, rlimits.
+
+Layers, and what each guarantees (and does not):
+
+- **A process of its own** (`python -I`: no user site-packages, no PYTHON* variables), in a fresh temporary working
+  directory that is deleted afterwards, with an environment of HOME=TMPDIR=that directory and PATH only. A crash,
+  `sys.exit` or `os._exit` ends that process, never the caller.
+- **rlimits**: CPU seconds, address space (a 10 GB allocation is a MemoryError), processes (a fork bomb stops at
+  the limit), file size (writes past it fail), open files, no core files. They bound one process each (the address
+  space limit is per process, so N processes may use N x the limit: the process limit bounds N).
+- **Wall time and output size**, enforced by the caller: past `wall_s`, or past `output_bytes` of stdout+stderr,
+  everything the sandbox started is killed (its PID namespace, else its process group).
+- **Namespaces** (`unshare` of util-linux in a user namespace; no root needed, as the local Slurm cluster of the
+  tests uses them): a network namespace with only a down loopback (no socket reaches 127.0.0.1 or any other address),
+  a PID namespace (the code sees only its own processes: it cannot signal the trainer or the rollout server, and all
+  of it dies with the sandbox), an IPC namespace, and a mount namespace in which every mount is read-only except
+  the working directory, and the hidden paths (the run directory, which holds the token; the user's home, except
+  the folders that hold Python itself) are covered by empty read-only mounts. The code then runs in a nested user
+  namespace without capabilities, so it cannot unmount or remount any of that.
+- Not provided: a seccomp filter (no maintained Python library ships one as a wheel: libseccomp's bindings come
+  from the distribution), cgroup memory limits (a user's Slurm job has its own cgroup; a nested one needs
+  delegation). Files this user can read outside the hidden paths stay readable (read-only): the Python installation,
+  datasets, other users' world-readable files.
+
+Without user namespaces (some clusters disable them: /proc/sys/user/max_user_namespaces is 0) only the process,
+rlimits, wall time and output limits apply; `rollout.sandbox.require_isolation` (default true) then refuses to run
+model code at all, and `hpc-rl doctor` says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import resource
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...errors import ConfigError
+
+# Run inside the sandbox before the model's code: ctypes would let code call libc directly (the namespaces still
+# hold, but there is no reason to offer it).
+_BOOT = """\
+import os, signal, sys
+def _xcpu(*_):
+    sys.stderr.write("CPU time limit exceeded\\n")
+    os._exit(124)
+signal.signal(signal.SIGXCPU, _xcpu)
+del _xcpu
+for _m in ("ctypes", "_ctypes"):
+    sys.modules[_m] = None
+del _m
+sys.argv = ["main.py"]
+import runpy
+runpy.run_path("main.py", run_name="__main__")
+"""
+
+# The mount-namespace setup, run as root of a new user namespace: hide paths, make every mount read-only except
+# the working directory, then run the code in a nested user namespace without capabilities (locks the mounts).
+_SETUP = r"""
+set -u
+work="$1"; shift
+mount --make-rprivate / 2>/dev/null
+while [ "$1" != "--" ]; do
+  if [ -d "$1" ]; then mount -t tmpfs -o ro,size=4k,mode=0555 hpc-rl-hidden "$1" || exit 97
+  elif [ -e "$1" ]; then mount --bind /dev/null "$1" || exit 97
+  fi
+  shift
+done
+shift
+mount --bind "$work" "$work" || exit 97
+awk '{print $5}' /proc/self/mountinfo | while read -r m; do
+  m=$(printf '%b' "$m")
+  case "$m" in "$work"|/proc|/proc/*) continue;; esac
+  mount -o remount,bind,ro "$m" 2>/dev/null
+done
+cd "$work" || exit 97
+exec unshare --user -- "$@"
+"""
+
+NAMESPACE_FLAGS = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
+                   "--mount-proc"]
+SETUP_FAILED = 97
+
+
+@dataclass
+class SandboxLimits:
+    """Limits of one sandboxed run."""
+
+    wall_s: float = 10.0
+    cpu_s: int = 10
+    memory_mb: int = 1024
+    processes: int = 16
+    output_bytes: int = 8192
+    file_bytes: int = 1 << 20
+    open_files: int = 64
+
+
+@dataclass
+class SandboxResult:
+    """stdout+stderr (cut at the limit), the exit code, and why it ended when not by itself."""
+
+    output: str
+    exit_code: int | None
+    killed: str | None  # "wall time", "output limit" or None
+    seconds: float
+    isolated: bool
+
+    @property
+    def ok(self) -> bool:
+        return self.killed is None and self.exit_code == 0
+
+
+@functools.lru_cache(maxsize=1)
+def namespaces_available() -> str | None:
+    """None when user/net/pid/mount namespaces work here, else why not (one line)."""
+    exe = shutil.which("unshare")
+    if exe is None:
+        return "the unshare command (util-linux) is not installed"
+    try:
+        p = subprocess.run([exe, *NAMESPACE_FLAGS, "sh", "-c", "mount -t tmpfs none /mnt 2>/dev/null || "
+                            "mount -t tmpfs none /tmp; exec unshare --user true"],
+                           capture_output=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare failed: {e}"
+    if p.returncode != 0:
+        msg = (p.stderr.decode(errors="replace").strip().splitlines() or ["no message"])[-1]
+        return f"user namespaces are not available ({msg}); see /proc/sys/user/max_user_namespaces"
+    return None
+
+
+def hidden_paths(extra: list[str | Path]) -> list[Path]:
+    """`extra` (e.g. the run dir and the folder of runs) and the user's home; where Python itself lives under a
+    hidden folder, that folder's other entries are hidden one by one instead."""
+    keep = [Path(p).resolve() for p in {sys.prefix, sys.base_prefix, os.path.dirname(os.path.realpath(sys.executable))}]
+    out: list[Path] = []
+    for p in [*map(Path, extra), Path.home()]:
+        p = p.resolve()
+        if not p.exists() or p == Path("/"):
+            continue
+        inside = [k for k in keep if k == p or p in k.parents]
+        if not inside:
+            out.append(p)
+            continue
+        out.extend(_hide_around(p, inside))
+    return sorted(set(out))
+
+
+def _hide_around(folder: Path, keep: list[Path]) -> list[Path]:
+    """Every entry of `folder` except the ones on the way to the `keep` paths (recursively)."""
+    out = []
+    for child in folder.iterdir():
+        on_way = [k for k in keep if k == child or child in k.parents]
+        if not on_way:
+            out.append(child)
+        elif child not in on_way and child.is_dir() and not child.is_symlink():
+            out.extend(_hide_around(child, on_way))
+    return out
+
+
+def _limit(limits: SandboxLimits):
+    def preexec():
+        os.setsid()
+        mem = limits.memory_mb * 2**20
+        for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, mem),
+                           (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_FSIZE, limits.file_bytes),
+                           (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)):
+            # CPU: SIGXCPU at the soft limit (the boot script reports it), SIGKILL one second later.
+            resource.setrlimit(res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
+    return preexec
+
+
+def run_python(code: str, limits: SandboxLimits, hide: list[str | Path] = (), require_isolation: bool = True
+               ) -> SandboxResult:
+    """Run `code` as a script in the sandbox; never raises for anything the code does."""
+    why = namespaces_available()
+    if why is not None and require_isolation:
+        raise ConfigError(f"rollout.sandbox.require_isolation: cannot isolate model-written code: {why}; enable "
+                          "user namespaces or set rollout.sandbox.require_isolation: false (rlimits only)")
+    work = tempfile.mkdtemp(prefix="hpc-rl-sandbox-")
+    try:
+        Path(work, "main.py").write_text(code)
+        cmd = [sys.executable, "-I", "-c", _BOOT]
+        if why is None:
+            cmd = [shutil.which("unshare"), *NAMESPACE_FLAGS, "sh", "-c", _SETUP, "sandbox", work,
+                   *map(str, hidden_paths(list(hide))), "--", *cmd]
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
+        t0 = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, preexec_fn=_limit(limits), close_fds=True)
+        out, killed = _collect(proc, limits)
+        code_ = proc.returncode
+        if code_ == SETUP_FAILED and why is None and not out.strip():
+            killed = "sandbox setup"
+        return SandboxResult(out.decode(errors="replace"), code_, killed, time.monotonic() - t0, why is None)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str | None]:
+    """Read stdout until the process ends, the wall time passes or the output exceeds its limit (then kill)."""
+    deadline = time.monotonic() + limits.wall_s
+    buf, killed = bytearray(), None
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                killed = "wall time"
+                break
+            if not sel.select(timeout=min(left, 0.5)):
+                if proc.poll() is not None:
+                    break
+                continue
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > limits.output_bytes:
+                killed = "output limit"
+                break
+    finally:
+        sel.close()
+        if killed is not None or proc.poll() is None:
+            _kill(proc)
+        proc.wait()
+        proc.stdout.close()
+    return bytes(buf[:limits.output_bytes]), killed
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    # The process group: unshare --kill-child takes the PID namespace (and all in it) down with it.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
