@@ -19,6 +19,18 @@ STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("monitor_mean", "monitor", "{
              ("rollout_idle_seconds", "rollout idle s", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}")]
 
 
+def idle_seconds(spans: list, t0: float, t1: float) -> float:
+    """Seconds of [t0, t1] covered by none of the [start, end] spans (an end of None: still running at t1)."""
+    clipped = sorted((max(a, t0), min(b if b is not None else t1, t1)) for a, b in spans)
+    covered, end = 0.0, t0
+    for a, b in clipped:
+        a = max(a, end)
+        if b > a:
+            covered += b - a
+            end = b
+    return max(0.0, (t1 - t0) - covered)
+
+
 def format_step_line(step: int, total: int, m: dict) -> str:
     parts = [f"step {step}/{total}"]
     for key, label, fmt in STEP_LINE:

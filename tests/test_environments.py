@@ -134,3 +134,11 @@ def test_config_checks_of_rollout_env():
             load_dict(_job(**rollout))
     with pytest.raises(ConfigError, match="reward.weights.environment"):
         load_dict({**_job(), "reward": {"weights": {"environment": 1.0}}})
+
+
+def test_idle_seconds_of_overlapping_spans():
+    from hpc_rl.metrics import idle_seconds
+
+    # [0, 10] with requests in flight over 1-3, 2-5 and 7-(still running): busy 4 + 3 seconds.
+    assert idle_seconds([(1, 3), (2, 5), (7, None)], 0, 10) == pytest.approx(3.0)
+    assert idle_seconds([], 0, 2) == 2.0 and idle_seconds([(-5, 20)], 0, 2) == 0.0

@@ -31,6 +31,13 @@ def test_sandbox_runs_code_and_cleans_up():
     assert not Path(r.output.split()[-1]).exists()  # the working directory is gone
 
 
+def test_sandbox_works_when_the_runs_folder_hides_the_temp_dir(tmp_path):
+    (tmp_path / "token").write_text("secret")
+    r = run_python(f"import os\nprint(os.path.exists({str(tmp_path / 'token')!r}), os.getcwd())",
+                   SandboxLimits(wall_s=10), hide=[tmp_path, "/tmp"])
+    assert r.ok and r.output.startswith("False /dev/shm/"), r.output
+
+
 @pytest.mark.slow
 def test_hostile_code_corpus_in_a_run(tmp_path):
     home = tmp_path / "home"

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 
 from ..errors import HpcRlError, RolloutError
+from ..metrics import idle_seconds
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -110,15 +111,9 @@ class RolloutPipeline:
         """Seconds of [t0, t1] in which the servers had neither a generation nor a weight push to do."""
         now = time.time()
         with self._cond:
-            spans = sorted((max(a, t0), min(b if b is not None else now, t1)) for a, b in self._busy)
+            spans = [(a, b if b is not None else now) for a, b in self._busy]
             self._busy = [s for s in self._busy if s[1] is None or s[1] > t0]  # windows only move forward
-        covered, end = 0.0, t0
-        for a, b in spans:
-            a = max(a, end)
-            if b > a:
-                covered += b - a
-                end = b
-        return max(0.0, (t1 - t0) - covered)
+        return idle_seconds(spans, t0, t1)
 
     def close(self) -> None:
         """Stop the worker after its current job (queued pushes are dropped: no batch needs them)."""

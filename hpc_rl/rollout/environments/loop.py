@@ -22,6 +22,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 from ...errors import DataError, RolloutError, first_line
+from ...metrics import idle_seconds
 from ..engine import SamplingParams
 from .chat import ChatFormat
 from .tools import ToolContext, is_error
@@ -268,13 +269,6 @@ class MultiTurnRollout:
     @staticmethod
     def _stats(trajs: list[Trajectory], busy: list[list], t0: float, wall: float) -> dict:
         n = max(1, len(trajs))
-        spans = sorted((a, b if b is not None else t0 + wall) for a, b in busy)
-        covered, end = 0.0, t0
-        for a, b in spans:
-            a = max(a, end)
-            if b > a:
-                covered += b - a
-                end = b
         return {"turns_per_sample": sum(t.turns for t in trajs) / n,
                 "tool_calls_per_sample": sum(t.tool_calls for t in trajs) / n,
                 "tool_call_rate": sum(1 for t in trajs if t.tool_calls) / n,
@@ -282,5 +276,5 @@ class MultiTurnRollout:
                 "tool_seconds": sum(t.tool_seconds for t in trajs),
                 "truncated_fraction": sum(1 for t in trajs if t.truncated) / n,
                 "rollout_waves": len(busy),
-                "engine_idle_seconds": max(0.0, wall - covered),
+                "engine_idle_seconds": idle_seconds(busy, t0, t0 + wall),
                 "rollout_seconds": wall}
