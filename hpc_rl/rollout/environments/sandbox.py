@@ -8,8 +8,8 @@ Layers, and what each guarantees (and does not):
 - **rlimits**: CPU seconds, address space (a 10 GB allocation is a MemoryError), processes (a fork bomb stops at
   the limit), file size (writes past it fail), open files, no core files. They bound one process each (the address
   space limit is per process, so N processes may use N x the limit: the process limit bounds N). The kernel does not
-  enforce the process limit for real uid 0: run as root (a container, a CI machine), a fork bomb is bounded by the
-  wall time and the PID namespace (all of it dies with the sandbox), not by the count.
+  enforce the process limit for real uid 0; where this process may make a pids cgroup (root with cgroup v1, a
+  delegated v2 subtree) the sandbox gets one capped at the same count, which holds for root too.
 - **Wall time and output size**, enforced by the caller: past `wall_s`, or past `output_bytes` of stdout+stderr,
   everything the sandbox started is killed (its PID namespace, else its process group).
 - **Namespaces** (`unshare` of util-linux in a user namespace; no root needed, as the local Slurm cluster of the
@@ -32,6 +32,7 @@ model code at all, and `hpc-rl doctor` says so.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 import resource
 import selectors
@@ -110,6 +111,7 @@ os.execv(cmd[0], cmd)
 # Sandboxes running at once in this process: more than the cores only stretches each one's wall time (the model's
 # code is CPU-bound); the others queue (their wait counts against rollout.tool_timeout_s, not the sandbox's).
 _SLOTS = threading.BoundedSemaphore(max(2, len(os.sched_getaffinity(0))))
+_CGROUP_IDS = itertools.count()
 
 NAMESPACE_FLAGS = ["--user", "--map-root-user", "--net", "--pid", "--fork", "--kill-child", "--mount", "--ipc",
                    "--mount-proc"]
@@ -202,9 +204,55 @@ def _work_base(hidden: list[Path]) -> str:
                       "its parent covers them); set output_dir elsewhere or TMPDIR to a folder outside it")
 
 
-def _limit(limits: SandboxLimits):
+def _pids_cgroup(processes: int) -> Path | None:
+    """A pids cgroup of its own capped at `processes`, beside this process's (cgroup v1, or a delegated v2
+    subtree); None where this user may not make one (then RLIMIT_NPROC bounds the count, except for root)."""
+    own = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, ctrls, path = line.split(":", 2)
+        own[ctrls] = path
+    mounts = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        pre, _, post = line.partition(" - ")
+        fstype, _, opts = (post.split() + ["", "", ""])[:3]
+        if fstype == "cgroup" and "pids" in opts.split(","):
+            mounts.append((Path(pre.split()[4]), own.get("pids")))
+        elif fstype == "cgroup2":
+            mounts.append((Path(pre.split()[4]), own.get("")))
+    for mount, path in mounts:
+        if path is None:
+            continue
+        cg = mount / path.lstrip("/") / f"hpc-rl-sandbox-{os.getpid()}-{next(_CGROUP_IDS)}"
+        try:
+            cg.mkdir()
+        except OSError:
+            continue
+        try:
+            (cg / "pids.max").write_text(str(processes))
+            return cg
+        except OSError:
+            _remove_cgroup(cg)
+    return None
+
+
+def _remove_cgroup(cg: Path | None) -> None:
+    for _ in range(50):  # the last processes of a killed PID namespace take a moment to go
+        try:
+            if cg is not None:
+                cg.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+
+
+def _limit(limits: SandboxLimits, cgroup: Path | None):
     def preexec():
         os.setsid()
+        if cgroup is not None:
+            with open(cgroup / "cgroup.procs", "w") as f:
+                f.write(str(os.getpid()))
         mem = limits.memory_mb * 2**20
         for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, mem),
                            (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_FSIZE, limits.file_bytes),
@@ -231,10 +279,15 @@ def run_python(code: str, limits: SandboxLimits, hide: list[str | Path] = (), re
                    *map(str, hidden), "--", *cmd]
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0"}
         with _SLOTS:
-            t0 = time.monotonic()
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, preexec_fn=_limit(limits), close_fds=True)
-            out, killed = _collect(proc, limits)
+            # unshare and the sandbox's first process come on top of the code's processes.
+            cgroup = _pids_cgroup(limits.processes + 2)
+            try:
+                t0 = time.monotonic()
+                proc = subprocess.Popen(cmd, cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, preexec_fn=_limit(limits, cgroup), close_fds=True)
+                out, killed = _collect(proc, limits)
+            finally:
+                _remove_cgroup(cgroup)
         code_ = proc.returncode
         if code_ == SETUP_FAILED and why is None and not out.strip():
             killed = "sandbox setup"
