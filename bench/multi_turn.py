@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import base_job, machine, rounds_args, run_hpc_rl, steady, table, write_result  # noqa: E402
 
 SIDES = {"no tools": ["rollout.max_turns=1"], "instant tool": [],
-         "sandboxed tool": ["rollout.env_kwargs={sandboxed: true}"]}
+         "sandboxed tool": ["rollout.env_kwargs={sandboxed: true}", "rollout.tool_timeout_s=60"]}
 
 
 def main() -> None:

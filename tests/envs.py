@@ -71,3 +71,18 @@ class HostileEnv(Environment):
         with open(self.log, "a") as f:
             f.write(json.dumps({"case": self.case, "observation": out}) + "\n")
         return [{"role": "tool", "content": out}], None, False
+
+
+class SlowEnv(EchoEnv):
+    """EchoEnv whose first step sleeps `sleep_s` (past rollout.tool_timeout_s in the test)."""
+
+    def __init__(self, sleep_s: float = 3.0):
+        super().__init__(turns=3)
+        self.sleep_s = sleep_s
+
+    def step(self, message):
+        import time
+
+        if self.n == 0:
+            time.sleep(self.sleep_s)
+        return super().step(message)

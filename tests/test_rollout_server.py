@@ -289,3 +289,22 @@ def test_multi_turn_logprobs_equal_the_trainers(srv):
     diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=32)
     assert any(0 in t.mask for t in trajs)
     assert diff < TOL, diff
+
+
+def test_multi_turn_tool_timeout_ends_the_trajectory(srv):
+    """An environment step past rollout.tool_timeout_s ends its trajectory as truncated, counted as a tool error; the
+    loop does not wait for it."""
+    from hpc_rl.models import load_tokenizer
+    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
+    from hpc_rl.rollout.environments.tools import ToolContext
+    from tests.envs import SlowEnv
+
+    tok = load_tokenizer(str(srv.model_dir))
+    loop = MultiTurnRollout(SlowEnv, {"sleep_s": 3.0}, tok, RolloutClient(srv.run, srv.run.read_token()),
+                            Limits(3, 24, 0.5, 3, 32), ToolContext())
+    t0 = time.monotonic()
+    trajs, stats = loop.run([{"id": i, "prompt": f"{i} + {i} ="} for i in range(4)], SamplingParams(max_new_tokens=3), 0)
+    assert time.monotonic() - t0 < 2.5
+    assert stats["tool_errors"] == 4 and stats["truncated_fraction"] == 1.0 and stats["turns_per_sample"] == 1.0
+    assert all(t.mask == [1] * len(t.response_ids) for t in trajs)

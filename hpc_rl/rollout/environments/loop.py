@@ -65,6 +65,7 @@ class Trajectory:
     version: int | None = None
     done: bool = False
     last_turn: object = field(default=None, repr=False)  # the SampleOut of the turn just sampled
+    step_started: float | None = None  # monotonic start of the environment step running now
 
 
 class MultiTurnRollout:
@@ -120,7 +121,7 @@ class MultiTurnRollout:
                         fut = pool_gen.submit(self._generate, [trajs[i] for i in group[1]], p, step, span)
                         gens[fut] = group[1]
                     ready = []
-                timeout = self._next_tool_deadline(tools)
+                timeout = self._next_tool_deadline(trajs, tools)
                 done, _ = wait([*gens, *tools], timeout=timeout, return_when=FIRST_COMPLETED)
                 for fut in done:
                     if fut in gens:
@@ -128,9 +129,10 @@ class MultiTurnRollout:
                         fut.result()  # a RolloutError (every server gone) ends the batch
                         for i in group:
                             if self._after_turn(trajs[i]):
-                                tools[pool_tool.submit(self._step, trajs[i])] = (i, time.monotonic())
+                                trajs[i].step_started = None
+                                tools[pool_tool.submit(self._step, trajs[i])] = i
                     else:
-                        i, _started = tools.pop(fut)
+                        i = tools.pop(fut)
                         if self._after_step(trajs[i], fut.result()):
                             ready.append(i)
                 self._expire_tools(trajs, tools)
@@ -178,7 +180,7 @@ class MultiTurnRollout:
     # ------------------------------------------------------------------ environment steps
 
     def _step(self, t: Trajectory):
-        t0 = time.monotonic()
+        t0 = t.step_started = time.monotonic()  # the timeout counts from here, not from the queue
         try:
             out = t.env.step(t.messages[-1])
         except Exception as e:  # noqa: BLE001 (a user environment's failure ends this trajectory, not the run)
@@ -240,19 +242,22 @@ class MultiTurnRollout:
                 raise RolloutError(f"{name}: step returned reward {reward}; rewards must be finite")
         return obs, reward, bool(done)
 
-    def _next_tool_deadline(self, tools: dict) -> float | None:
-        if not tools:
+    def _next_tool_deadline(self, trajs: list[Trajectory], tools: dict) -> float | None:
+        running = [trajs[i].step_started for i in tools.values() if trajs[i].step_started is not None]
+        if len(running) < len(tools):
+            return 0.5  # queued steps start later: look again soon
+        if not running:
             return None
-        first = min(started for _, started in tools.values())
-        return max(0.0, first + self.limits.tool_timeout_s - time.monotonic()) + 0.01
+        return max(0.0, min(running) + self.limits.tool_timeout_s - time.monotonic()) + 0.01
 
     def _expire_tools(self, trajs: list[Trajectory], tools: dict) -> None:
-        """Steps past rollout.tool_timeout_s end their trajectory (the thread is left to finish on its own)."""
+        """Steps running longer than rollout.tool_timeout_s end their trajectory (the thread is left to finish)."""
         now = time.monotonic()
-        for fut, (i, started) in list(tools.items()):
-            if now - started > self.limits.tool_timeout_s:
+        for fut, i in list(tools.items()):
+            t = trajs[i]
+            started = t.step_started
+            if started is not None and now - started > self.limits.tool_timeout_s:
                 del tools[fut]
-                t = trajs[i]
                 t.tool_errors += 1
                 t.tool_seconds += now - started
                 t.truncated = t.done = True
