@@ -105,6 +105,35 @@ ENDPOINTS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POS
              ("POST", "/collective/wait"), ("POST", "/collective/close")]
 
 
+def test_multi_turn_logprobs_equal_the_trainers(srv):
+    """A multi-turn sample (assistant turns from the HF engine, tool observations between them, masked): the
+    trainer's log-probs of its assistant tokens equal the engine's."""
+    from tests.logprob_checks import multi_turn_check
+
+    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=32)
+    assert any(0 in t.mask for t in trajs)
+    assert diff < TOL, diff
+
+
+def test_multi_turn_tool_timeout_ends_the_trajectory(srv):
+    """An environment step past rollout.tool_timeout_s ends its trajectory as truncated, counted as a tool error; the
+    loop does not wait for it."""
+    from hpc_rl.models import load_tokenizer
+    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
+    from hpc_rl.rollout.environments.tools import ToolContext
+    from tests.envs import SlowEnv
+
+    tok = load_tokenizer(str(srv.model_dir))
+    loop = MultiTurnRollout(SlowEnv, {"sleep_s": 3.0}, tok, RolloutClient(srv.run, srv.run.read_token()),
+                            Limits(3, 24, 0.5, 3, 32), ToolContext())
+    t0 = time.monotonic()
+    trajs, stats = loop.run([{"id": i, "prompt": f"{i} + {i} ="} for i in range(4)], SamplingParams(max_new_tokens=3), 0)
+    assert time.monotonic() - t0 < 2.5
+    assert stats["tool_errors"] == 4 and stats["truncated_fraction"] == 1.0 and stats["turns_per_sample"] == 1.0
+    assert all(t.mask == [1] * len(t.response_ids) for t in trajs)
+
+
 def test_auth_required_everywhere(srv):
     before = srv.s.get(srv.url + "/metrics", timeout=5).json()
     bucket = save({"lm_head.weight": torch.zeros(64, 128)})
@@ -279,32 +308,3 @@ def test_sigterm_exits_cleanly(srv):
     assert stop_server(srv.proc, timeout_s=15) == 0
     assert not srv.run.rollout_file(0).exists()
     assert "stopping (SIGTERM)" in (srv.run.logs / "rollout-0.log").read_text()
-
-
-def test_multi_turn_logprobs_equal_the_trainers(srv):
-    """A multi-turn sample (assistant turns from the HF engine, tool observations between them, masked): the
-    trainer's log-probs of its assistant tokens equal the engine's."""
-    from tests.logprob_checks import multi_turn_check
-
-    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=32)
-    assert any(0 in t.mask for t in trajs)
-    assert diff < TOL, diff
-
-
-def test_multi_turn_tool_timeout_ends_the_trajectory(srv):
-    """An environment step past rollout.tool_timeout_s ends its trajectory as truncated, counted as a tool error; the
-    loop does not wait for it."""
-    from hpc_rl.models import load_tokenizer
-    from hpc_rl.rollout.engine import SamplingParams
-    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
-    from hpc_rl.rollout.environments.tools import ToolContext
-    from tests.envs import SlowEnv
-
-    tok = load_tokenizer(str(srv.model_dir))
-    loop = MultiTurnRollout(SlowEnv, {"sleep_s": 3.0}, tok, RolloutClient(srv.run, srv.run.read_token()),
-                            Limits(3, 24, 0.5, 3, 32), ToolContext())
-    t0 = time.monotonic()
-    trajs, stats = loop.run([{"id": i, "prompt": f"{i} + {i} ="} for i in range(4)], SamplingParams(max_new_tokens=3), 0)
-    assert time.monotonic() - t0 < 2.5
-    assert stats["tool_errors"] == 4 and stats["truncated_fraction"] == 1.0 and stats["turns_per_sample"] == 1.0
-    assert all(t.mask == [1] * len(t.response_ids) for t in trajs)

@@ -89,6 +89,15 @@ def test_openai_completions_and_auth(srv):
             assert r.status_code == 401 and "Authorization" in r.json()["error"], path
 
 
+def test_multi_turn_logprobs_equal_the_trainers(srv):
+    """As for the HF engine: vLLM's log-probs of the assistant turns of multi-turn samples equal the trainer's."""
+    from tests.logprob_checks import multi_turn_check
+
+    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=64)
+    assert any(0 in t.mask for t in trajs)
+    assert diff < TOL, diff
+
+
 def test_collective_updates_equal_hf(srv):
     client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=120, retries=0, weight_sync="collective")
     diffs = []
@@ -123,12 +132,3 @@ def test_file_update_equals_hf(srv):
     client.close()
     m = srv.s.get(srv.url + "/metrics", timeout=5).json()
     assert m["weight_updates"] == 4 and m["policy_version"] == 4 and m["engine"] == "vllm"
-
-
-def test_multi_turn_logprobs_equal_the_trainers(srv):
-    """As for the HF engine: vLLM's log-probs of the assistant turns of multi-turn samples equal the trainer's."""
-    from tests.logprob_checks import multi_turn_check
-
-    diff, trajs = multi_turn_check(srv.run, srv.model_dir, max_model_len=64)
-    assert any(0 in t.mask for t in trajs)
-    assert diff < TOL, diff

@@ -103,7 +103,7 @@ class MultiTurnRollout:
         t0 = time.time()
         ready = list(range(len(trajs)))
         gens: dict[Future, list[int]] = {}
-        tools: dict[Future, tuple[int, float]] = {}
+        tools: dict[Future, int] = {}  # an environment step -> its trajectory
         busy, wave = [], 0
         pool_gen = ThreadPoolExecutor(MAX_WAVES, thread_name_prefix="multi-turn-gen")
         pool_tool = ThreadPoolExecutor(min(MAX_TOOL_WORKERS, max(1, len(trajs))), thread_name_prefix="env-step")
