@@ -32,7 +32,8 @@ def load_reward_fn(spec: str, key: str = "reward.function") -> Callable:
     return fn
 
 
-def _as_float(value, spec: str, index: int) -> float:
+def as_reward(value, spec: str, index: int, key: str = "reward.function") -> float:
+    """One reward as a finite float; RewardError naming `key` `spec` (the callable) and the sample otherwise."""
     if isinstance(value, bool):
         return float(value)
     if isinstance(value, numbers.Real):
@@ -44,10 +45,10 @@ def _as_float(value, spec: str, index: int) -> float:
     else:
         shape = getattr(value, "shape", None)
         desc = f"shape {tuple(shape)}" if shape is not None else type(value).__name__
-        raise RewardError(f"reward.function {spec}: sample {index} returned {desc}; a reward must be one float "
+        raise RewardError(f"{key} {spec}: sample {index} returned {desc}; a reward must be one float "
                           "per sample")
     if not math.isfinite(f):
-        raise RewardError(f"reward.function {spec}: sample {index} returned {f}; rewards must be finite "
+        raise RewardError(f"{key} {spec}: sample {index} returned {f}; rewards must be finite "
                           "(check for division by zero or log(0))")
     return f
 
@@ -77,7 +78,7 @@ def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], complet
         if shape != (n,):
             raise RewardError(f"reward.function {spec}: returned shape {shape} for {n} samples; return one float "
                               f"per sample, shape ({n},)")
-        values = [_as_float(v, spec, i) for i, v in enumerate(list(out))]
+        values = [as_reward(v, spec, i) for i, v in enumerate(list(out))]
     else:
         values = []
         for i, (p, c, r) in enumerate(zip(prompts, completions, rows)):
@@ -86,7 +87,7 @@ def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], complet
                 v = fn(p, c, **extra, **cfg.kwargs)
             except Exception as e:
                 raise RewardError(f"reward.function {spec} raised {type(e).__name__} on sample {i}: {e}") from None
-            values.append(_as_float(v, spec, i))
+            values.append(as_reward(v, spec, i))
     return np.asarray(values, dtype=np.float64)
 
 

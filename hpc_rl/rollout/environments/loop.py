@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from ...errors import DataError, RolloutError, first_line
+from ...errors import DataError, RewardError, first_line
 from ...metrics import idle_seconds
+from ...rewards.base import as_reward
 from ..engine import SamplingParams
 from .chat import ChatFormat
 from .tools import ToolContext, is_error
@@ -51,6 +51,7 @@ class Trajectory:
 
     prompt_ids: list[int]
     env: object = field(repr=False)
+    fmt: ChatFormat = field(default=None, repr=False)  # the chat format of the environment's tools
     messages: list[dict] = field(default_factory=list)
     response_ids: list[int] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -89,13 +90,14 @@ class MultiTurnRollout:
         env = self.env_cls(**self.env_kwargs)
         env.context = self.context
         messages = env.reset(row)
-        ids = self._format(env).prompt_ids(messages)
+        fmt = self._format(env)
+        ids = fmt.prompt_ids(messages)
         lim = self.limits
         if len(ids) + lim.max_new_tokens > lim.max_model_len:
             raise DataError(f"row {row.get('id')}: the environment's first messages are {len(ids)} tokens; with "
                             f"rollout.max_new_tokens {lim.max_new_tokens} that exceeds rollout.max_model_len "
                             f"{lim.max_model_len}; raise max_model_len or shorten the prompt")
-        return Trajectory(prompt_ids=ids, env=env, messages=list(messages))
+        return Trajectory(prompt_ids=ids, env=env, fmt=fmt, messages=list(messages))
 
     def run(self, rows: list[dict], params: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
         """One trajectory per row (rows repeat for a group), in row order; with the loop's statistics."""
@@ -127,13 +129,13 @@ class MultiTurnRollout:
                     if fut in gens:
                         group = gens.pop(fut)
                         fut.result()  # a RolloutError (every server gone) ends the batch
-                        for i in group:
-                            if self._after_turn(trajs[i]):
-                                trajs[i].step_started = None
-                                tools[pool_tool.submit(self._step, trajs[i])] = i
+                        for i in group:  # every turn goes to the environment, which says what follows
+                            self._record_turn(trajs[i])
+                            trajs[i].step_started = None
+                            tools[pool_tool.submit(self._step, trajs[i])] = i
                     else:
                         i = tools.pop(fut)
-                        if self._after_step(trajs[i], fut.result()):
+                        if self._after_step(i, trajs[i], fut.result()):
                             ready.append(i)
                 self._expire_tools(trajs, tools)
         finally:
@@ -169,13 +171,12 @@ class MultiTurnRollout:
             t.version = version if t.version is None else min(t.version, version)
             t.last_turn = s
 
-    def _after_turn(self, t: Trajectory) -> bool:
-        """Record the sampled turn; True when the environment should step on it."""
+    def _record_turn(self, t: Trajectory) -> None:
+        """The sampled turn as the assistant message the environment steps on."""
         s = t.last_turn
         text = self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
         t.final_text = text
         t.messages.append({"role": "assistant", "content": text})
-        return True
 
     # ------------------------------------------------------------------ environment steps
 
@@ -187,8 +188,8 @@ class MultiTurnRollout:
             return ("error", f"{type(e).__name__}: {first_line(e)}", time.monotonic() - t0)
         return ("ok", out, time.monotonic() - t0)
 
-    def _after_step(self, t: Trajectory, result) -> bool:
-        """Apply an environment step; True when the trajectory generates again."""
+    def _after_step(self, i: int, t: Trajectory, result) -> bool:
+        """Apply trajectory i's environment step; True when it generates again."""
         kind, out, seconds = result
         t.tool_seconds += seconds
         if kind == "error":
@@ -197,7 +198,7 @@ class MultiTurnRollout:
             t.tool_errors += 1
             t.done = True
             return False
-        obs, reward, done = self._check_step(out)
+        obs, reward, done = self._check_step(out, i)
         if reward is not None:
             t.env_reward += reward
         if done or not obs:
@@ -210,7 +211,7 @@ class MultiTurnRollout:
             t.truncated = t.done = True
             return False
         s = t.last_turn
-        ids = self._format(t.env).observation_ids(obs, s.token_ids[-1] if s.token_ids else None,
+        ids = t.fmt.observation_ids(obs, s.token_ids[-1] if s.token_ids else None,
                                                    s.finish_reason == "stop")
         # The next turn needs room for its observation and at least one generated token.
         if (len(t.response_ids) + len(ids) + 1 > lim.max_total_tokens
@@ -223,24 +224,17 @@ class MultiTurnRollout:
         t.logprobs += [0.0] * len(ids)
         return True
 
-    def _check_step(self, out) -> tuple[list[dict] | None, float | None, bool]:
-        name = f"rollout.env {self.env_cls.__module__}:{self.env_cls.__name__}"
+    def _check_step(self, out, index: int) -> tuple[list[dict] | None, float | None, bool]:
+        spec = f"{self.env_cls.__module__}:{self.env_cls.__name__}"
         if not isinstance(out, tuple) or len(out) != 3:
-            raise RolloutError(f"{name}: step returned {type(out).__name__}; return (observations | None, "
-                               "reward | None, done)")
+            raise RewardError(f"rollout.env {spec}: step returned {type(out).__name__}; return (observations | None, "
+                              "reward | None, done)")
         obs, reward, done = out
         if obs is not None and (not isinstance(obs, list) or not all(isinstance(m, dict) and "role" in m
                                                                      and "content" in m for m in obs)):
-            raise RolloutError(f"{name}: step's observations must be a list of chat messages "
-                               "{'role': ..., 'content': ...} or None")
-        if reward is not None:
-            try:
-                reward = float(reward)
-            except (TypeError, ValueError):
-                raise RolloutError(f"{name}: step returned reward {reward!r}; return a float or None") from None
-            if not math.isfinite(reward):
-                raise RolloutError(f"{name}: step returned reward {reward}; rewards must be finite")
-        return obs, reward, bool(done)
+            raise RewardError(f"rollout.env {spec}: step's observations must be a list of chat messages "
+                              "{'role': ..., 'content': ...} or None")
+        return obs, None if reward is None else as_reward(reward, spec, index, "rollout.env"), bool(done)
 
     def _next_tool_deadline(self, trajs: list[Trajectory], tools: dict) -> float | None:
         running = [trajs[i].step_started for i in tools.values() if trajs[i].step_started is not None]
