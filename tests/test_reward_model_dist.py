@@ -116,6 +116,21 @@ def test_reward_node_server_scores_for_the_run(tiny_reward_model, tmp_path):
     assert len(rows) == 3 and all("reward_model_logit_mean" in row and "monitor_mean" in row for row in rows)
 
 
+def test_reward_model_on_the_rollout_server_scores_for_the_run(tiny_reward_model, tmp_path):
+    """reward.model.placement=server without reward nodes: the rollout server loads the reward model next to the
+    policy, the trainer ranks hold none, and the steps carry its scores."""
+    from hpc_rl.metrics import read_metrics
+
+    r = _run(tmp_path, "reward.nodes=0", f"reward.model.path={tiny_reward_model}", "reward.model.tiny=null")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    assert "reward model" in (run / "logs" / "rollout-0.log").read_text()
+    assert not (run / "logs" / "reward-0.log").exists()
+    rows = read_metrics(run / "metrics.jsonl")
+    assert len(rows) == 3 and all("reward_model_logit_mean" in row and "reward_model_seconds" not in row
+                                  for row in rows)
+
+
 def test_reward_server_that_cannot_start_ends_the_run_in_one_line(tiny_reward_model, tmp_path):
     """A reward model whose weights do not load (its config and tokenizer do: the run starts): the reward server
     dies before it serves and the run stops at once with one line naming it and its log."""

@@ -54,6 +54,9 @@ cat > "$STATE/slurm.conf" <<CONF
 ClusterName=hpcrl
 SlurmctldHost=$HOST($NET.1)
 AuthType=auth/munge
+# A requeued job waits cred_expire seconds before it may start again (default 120, slurm.conf(5)); the
+# preemption tests requeue, and 20 s still leaves a loaded 2-core node time to launch its job steps.
+AuthInfo=cred_expire=20
 SlurmUser=root
 SlurmdUser=root
 StateSaveLocation=$STATE/ctld
