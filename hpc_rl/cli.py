@@ -67,6 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs")
     p.add_argument("--sweeps-dir", default="runs/sweeps")
 
+    p = sub.add_parser("sync", help="upload a run's or a sweep's offline W&B runs (from a machine with internet)")
+    p.add_argument("target", metavar="RUN_OR_SWEEP", help="a run or sweep (name or dir)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--sweeps-dir", default="runs/sweeps")
+
     p = sub.add_parser("config", help="every job-spec key with its type, default (or the job's value) and doc")
     p.add_argument("action", choices=["show"])
     p.add_argument("job", nargs="?", help="a job spec: show its resolved values instead of the defaults")
@@ -110,6 +116,9 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "plot":
         from .plots import plot_target
         return plot_target(args.target, out=args.out, runs_dir=args.runs_dir, sweeps_dir=args.sweeps_dir)
+    if args.command == "sync":
+        from .tracking import sync
+        return sync(args.target, dry_run=args.dry_run, runs_dir=args.runs_dir, sweeps_dir=args.sweeps_dir)
     if args.command == "config":
         from .config_show import show_config
         return show_config(args.job, args.overrides)

@@ -496,13 +496,48 @@ class SlurmConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases: rank 0 logs metrics.jsonl's metrics (extra `tracking`); offline on nodes without internet."""
+
+    # online: upload while training (needs internet and a login); offline: files in RUN/wandb/, uploaded later
+    # with `hpc-rl sync RUN` from a login node; disabled: no W&B.
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    # The W&B project.
+    project: str = "hpc-rl"
+    # The W&B entity (team or user); null: your default entity.
+    entity: str | None = None
+    # Runs of one group are compared together; null: the sweep's name for a sweep's points, else none.
+    group: str | None = None
+    # Tags of the run.
+    tags: list = field(default_factory=list)
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow: rank 0 logs metrics.jsonl's metrics (extra `tracking`); on when experiment or tracking_uri is set."""
+
+    # Tracking URI (http://host:5000, sqlite:///path.db, a folder); null: a file store in RUN/mlruns.
+    tracking_uri: str | None = None
+    # The experiment; null: the sweep's name for a sweep's points, else the job's name.
+    experiment: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tracking_uri or self.experiment)
+
+
+@dataclass
 class LoggingConfig:
-    """Per-step metrics: metrics.jsonl always, TensorBoard when enabled, a step line on the console."""
+    """Per-step metrics: metrics.jsonl always, TensorBoard when enabled, a step line on the console; W&B, MLflow."""
 
     # Also write TensorBoard events (RUN/tensorboard/).
     tensorboard: bool = True
     # Print the step line every N steps (metrics.jsonl gets every step).
     every: int = 1
+    # Weights & Biases (logging.wandb.mode=offline on compute nodes, then `hpc-rl sync`).
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    # MLflow (logging.mlflow.experiment=NAME logs into a file store in the run dir).
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass
@@ -806,6 +841,13 @@ def validate(cfg: JobConfig) -> JobConfig:
              f"{t.procs_per_node}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep_last >= 1,
          "checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+    need(cfg.logging.every >= 1, f"logging.every must be >= 1; got {cfg.logging.every}")
+    need(bool(cfg.logging.wandb.project) and "/" not in cfg.logging.wandb.project,
+         f"logging.wandb.project: {cfg.logging.wandb.project!r} must be a non-empty name without '/'")
+    need(all(isinstance(t, str) and t and len(t) <= 64 for t in cfg.logging.wandb.tags),
+         f"logging.wandb.tags must be a list of names of 1-64 characters; got {cfg.logging.wandb.tags}")
+    need(cfg.logging.mlflow.experiment is None or bool(str(cfg.logging.mlflow.experiment).strip()),
+         "logging.mlflow.experiment must be a non-empty name or null")
     need(cfg.slurm.signal_delay_s >= 0, "slurm.signal_delay_s must be >= 0")
     need(cfg.slurm.requeue_on_failure >= 0, "slurm.requeue_on_failure must be >= 0 (0 disables it)")
     need(cfg.slurm.gpus_per_node >= 0, "slurm.gpus_per_node must be >= 0")

@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from . import config, rundir
+from . import config, rundir, tracking
 from .cluster.nccl import nccl_env
 from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
@@ -44,6 +44,7 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     is removed again: a run that never started leaves nothing behind.
     """
     cfg = config.load(job_path, overrides)
+    tracking.check_installed(cfg)
     if cfg.reward.function:
         load_reward_fn(cfg.reward.function)
     if cfg.reward.monitor:

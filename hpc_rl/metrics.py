@@ -1,4 +1,5 @@
-"""Per-step metrics from rank 0: metrics.jsonl always (flushed each step), TensorBoard when installed."""
+"""Per-step metrics from rank 0: metrics.jsonl always (flushed each step), TensorBoard when installed, W&B and
+MLflow when configured (tracking.py: the same numbers at the same steps)."""
 
 from __future__ import annotations
 
@@ -41,12 +42,20 @@ def format_step_line(step: int, total: int, m: dict) -> str:
 
 
 class MetricsWriter:
-    """Append-only metrics.jsonl (a resumed run drops rows past its checkpoint step) + TensorBoard."""
+    """Append-only metrics.jsonl (a resumed run drops rows past its checkpoint step) + TensorBoard + trackers."""
 
-    def __init__(self, path: Path, tensorboard_dir: Path | None = None, resume_step: int | None = None):
+    def __init__(self, path: Path, tensorboard_dir: Path | None = None, resume_step: int | None = None,
+                 tracker=None):
         self.path = path
+        self._tracker = tracker
+        self._closed = False
         if resume_step is not None and path.exists():
             self._truncate_after(resume_step)
+        if tracker is not None and resume_step:
+            # A tracker may lack steps up to the checkpoint (W&B's buffer dies with a killed rank): it gets the
+            # kept rows and logs those it does not hold.
+            for row in read_metrics(path):
+                tracker.log(row["step"], row)
         self._f = open(path, "a", encoding="utf-8")
         self._tb = None
         if tensorboard_dir is not None:
@@ -80,11 +89,19 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
+        if self._tracker is not None:
+            self._tracker.log(step, row)
 
-    def close(self) -> None:
+    def close(self, status: str = "finished") -> None:
+        """Close the files; end the tracked runs as "finished", "preempted" or "failed" (a second call: no-op)."""
+        if self._closed:
+            return
+        self._closed = True
         self._f.close()
         if self._tb is not None:
             self._tb.close()
+        if self._tracker is not None:
+            self._tracker.close(status)
 
 
 def read_metrics(path: Path) -> list[dict]:

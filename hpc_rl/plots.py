@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import HpcRlError
 from .metrics import read_metrics
-from .rundir import RunDir, find
+from .rundir import RunDir
 
 PNG_NAME = "curves.png"
 FIG_SIZE_IN = (13.0, 6.0)
@@ -75,27 +75,16 @@ def _sweep_curves(root: Path) -> tuple[str, list[tuple[str, list[dict]]]]:
 def plot_target(target: str, out: str | None = None, runs_dir: str = "runs",
                 sweeps_dir: str = "runs/sweeps") -> int:
     """`hpc-rl plot RUN_OR_SWEEP [--out PNG]`: write the PNG and print its path."""
-    from .cluster.sweep import find_sweep, is_sweep
+    from .cluster.sweep import find_run_or_sweep
 
-    p = Path(target)
-    if is_sweep(p) or (not (p / "job.yaml").is_file() and is_sweep(Path(sweeps_dir) / target)):
-        root = find_sweep(target, sweeps_dir)
+    kind, root = find_run_or_sweep(target, runs_dir, sweeps_dir)
+    if kind == "sweep":
         title, curves = _sweep_curves(root)
         dest = Path(out) if out else root / "plots" / PNG_NAME
     else:
-        try:
-            run = find(target, runs_dir)
-        except HpcRlError:
-            try:
-                root = find_sweep(target, sweeps_dir)
-            except HpcRlError:
-                raise HpcRlError(f"{target!r} is neither a run nor a sweep (no job.yaml or sweep.json; looked in "
-                                 f"{runs_dir}/ and {sweeps_dir}/); pass the dir that run/submit/sweep printed") from None
-            title, curves = _sweep_curves(root)
-            dest = Path(out) if out else root / "plots" / PNG_NAME
-        else:
-            title, curves = f"Run {run.name}", [(run.name, read_metrics(run.metrics))]
-            dest = Path(out) if out else RunDir(run.root).plots / PNG_NAME
+        run = RunDir(root)
+        title, curves = f"Run {run.name}", [(run.name, read_metrics(run.metrics))]
+        dest = Path(out) if out else run.plots / PNG_NAME
     if not any(rows for _, rows in curves):
         raise HpcRlError(f"{target}: no metrics yet (metrics.jsonl is empty or missing); plot once the run has "
                          "logged a step")

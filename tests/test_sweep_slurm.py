@@ -57,6 +57,15 @@ def _wait_all_ended(root: Path, timeout_s: float) -> dict:
     return _sweep_status(root)
 
 
+def tracking_client(uri: str):
+    import os
+
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses folder stores unless asked
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
 def _png_size(path: Path) -> tuple[int, int]:
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
@@ -69,7 +78,8 @@ def test_sweep_as_throttled_job_array_with_failure_resubmit_plot_export(slurm_cl
 name: kl-test
 base: {REPO / 'jobs' / 'toy-grpo-cpu.yaml'}
 overrides: [rollout.nodes=0, trainer.steps={STEPS}, checkpoint.every={CKPT}, trainer.prompts_per_step=8,
-            trainer.mini_batch_size=32, "reward.function=tests.test_sweep:flaky_reward", slurm.time=00:20:00]
+            trainer.mini_batch_size=32, "reward.function=tests.test_sweep:flaky_reward", slurm.time=00:20:00,
+            logging.wandb.mode=offline, logging.mlflow.experiment=kl-sweep]
 grid:
   algorithm.kl.coef: [0.0, 0.05]
 seeds: [1, 2]
@@ -134,6 +144,32 @@ output_dir: {tmp_path / 'sweeps'}
     logs = hpc_rl("logs", str(bad)).stdout
     assert f"==> submitit/{array_id}_3_0_log.err <==" in logs and f"==> submitit/{new_id}_0_log.out <==" in logs
     assert "planted fault" in logs and "resumed from" in logs
+
+    # Tracking: each point one W&B run (offline, in its run dir) grouped by the sweep, its overrides in the config;
+    # all in one MLflow experiment of the sweep's store; the resubmitted point continued its tracked runs.
+    from hpc_rl import tracking
+
+    for p in points:
+        run_dir = Path(p["run_dir"])
+        ids = json.loads((run_dir / "tracking.json").read_text())
+        dirs = tracking.wandb_run_dirs(run_dir, ids["wandb"]["id"])
+        assert len(dirs) == (2 if p["index"] == 3 else 1), dirs
+        rec = tracking.wandb_run_record(dirs[-1])
+        assert rec["group"] == root.name and rec["config"]["sweep"]["overrides"] == p["overrides"], rec
+        assert rec["config"]["algorithm"]["kl"]["coef"] == p["overrides"]["algorithm.kl.coef"]
+        assert [h["_step"] for d in dirs for h in tracking.wandb_history(d)] == list(range(1, STEPS + 1))
+        assert ids["mlflow"]["tracking_uri"] == (root / "mlruns").as_uri()
+    client = tracking_client((root / "mlruns").as_uri())
+    exp = client.get_experiment_by_name("kl-sweep")
+    runs = client.search_runs([exp.experiment_id])
+    assert sorted(r.info.run_name for r in runs) == sorted(Path(p["run_dir"]).name for p in points)
+    assert {r.data.tags["sweep"] for r in runs} == {root.name} and {r.info.status for r in runs} == {"FINISHED"}
+    resumed = client.get_run(json.loads((bad / "tracking.json").read_text())["mlflow"]["run_id"])
+    assert sorted(m.step for m in client.get_metric_history(resumed.info.run_id, "reward_mean")) == \
+        list(range(1, STEPS + 1))
+    assert resumed.data.params["algorithm.kl.coef"] == "0.05" and resumed.data.params["seed"] == "2"
+    dry = hpc_rl("sync", str(root), "--dry-run").stdout
+    assert dry.count("would sync ") == 5 and dry.count("MLflow file store") == 1, dry
 
     # Plot of the sweep: one line per point, legend naming the overrides.
     png = Path(hpc_rl("plot", str(root)).stdout.strip().splitlines()[-1])

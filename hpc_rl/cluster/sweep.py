@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from .. import config
-from ..errors import ClusterError, ConfigError
+from ..errors import ClusterError, ConfigError, HpcRlError
 from ..rundir import RunDir, new_stamped_dir, read_json, write_json_atomic
 from .layout import check_layout, total_nodes
 from .render import SUBMITIT_DIR, executor_params, submitit_command
@@ -254,6 +254,38 @@ def load_state(root: Path) -> dict:
     if data is None:
         raise ClusterError(f"{root / SWEEP_JSON}: missing or unreadable; the sweep dir is incomplete")
     return data
+
+
+def find_run_or_sweep(target: str, runs_dir: str | Path = "runs", sweeps_dir: str | Path = DEFAULT_OUTPUT
+                      ) -> tuple[str, Path]:
+    """("sweep", SWEEP_DIR) or ("run", RUN_DIR) for a path or a name (looked up in runs_dir, then sweeps_dir)."""
+    from ..rundir import find
+
+    p = Path(target)
+    if is_sweep(p) or (not (p / "job.yaml").is_file() and is_sweep(Path(sweeps_dir) / target)):
+        return "sweep", find_sweep(target, sweeps_dir)
+    try:
+        return "run", find(target, runs_dir).root
+    except HpcRlError:
+        try:
+            return "sweep", find_sweep(target, sweeps_dir)
+        except HpcRlError:
+            raise HpcRlError(f"{target!r} is neither a run nor a sweep (no job.yaml or sweep.json; looked in "
+                             f"{runs_dir}/ and {sweeps_dir}/); pass the dir that run/submit/sweep printed") from None
+
+
+def sweep_point(run_root: Path) -> dict | None:
+    """The sweep a run dir is a point of: {"name", "dir", "path", "index", "label", "overrides"}; None otherwise."""
+    run_root = Path(run_root).resolve()
+    root = run_root.parent.parent
+    if run_root.parent.name != POINTS_DIR or not is_sweep(root):
+        return None
+    state = read_json(root / SWEEP_JSON) or {}
+    for p in state.get("points", []):
+        if Path(p["run_dir"]).resolve() == run_root:
+            return {"name": state.get("name"), "dir": root.name, "path": str(root), "index": p["index"],
+                    "label": p["label"], "overrides": p["overrides"]}
+    return None
 
 
 # --------------------------------------------------------------------------- submitting

@@ -48,9 +48,14 @@ def _train(cfg, run, dist) -> None:
     from .trainer import Trainer
 
     trainer = Trainer(cfg, run, dist)
-    trainer.resume_if_possible()
-    trainer.connect_rollout()
-    trainer.fit()
+    try:
+        trainer.resume_if_possible()
+        trainer.connect_rollout()
+        trainer.fit()
+    except BaseException:
+        if trainer.metrics is not None:  # rank 0: the tracked runs end as failed, their last steps flushed
+            trainer.metrics.close("failed")
+        raise
 
 
 def exit_now(code: int) -> None:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from transformers import set_seed
 
+from .. import tracking
 from ..algos.correction import truncated_is_weights
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
@@ -224,8 +225,11 @@ class Trainer:
         self.pipeline = RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, self.step,
                                         cfg.trainer.steps, ready=pending[:r.async_steps],
                                         wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1))
+        tracker = None
+        if tracking.enabled(cfg):
+            tracker = tracking.Tracker(cfg, self.run)
         self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if cfg.logging.tensorboard else None,
-                                     resume_step=self.step)
+                                     resume_step=self.step, tracker=tracker)
 
     # ------------------------------------------------------------------ one step
 
@@ -638,7 +642,7 @@ class Trainer:
                 self.reward_client.close()
             if not self.preempted:
                 write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
-            self.metrics.close()
+            self.metrics.close("preempted" if self.preempted else "finished")
 
     def save_checkpoint(self) -> None:
         t0 = time.time()
