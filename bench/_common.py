@@ -105,7 +105,8 @@ def run_hpc_rl(job: dict, work: Path, tag: str, timeout_s: float = 900, override
         raise RuntimeError(f"hpc-rl run {path} exited {p.returncode}; see {log}:\n" + log.read_text()[-2000:])
     runs = sorted((work / f"runs-{tag}").iterdir())
     rows = [json.loads(x) for x in (runs[-1] / "metrics.jsonl").read_text().splitlines() if x.strip()]
-    return {"wall_s": wall, "metrics": rows, "step_s": step_intervals(rows), "run_dir": str(runs[-1])}
+    return {"wall_s": wall, "metrics": rows, "step_s": step_intervals(rows), "run_dir": str(runs[-1]),
+            "end_time": time.time()}
 
 
 def step_intervals(rows: list[dict]) -> list[float]:
