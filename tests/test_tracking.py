@@ -129,14 +129,15 @@ def test_killed_and_resumed_run_continues_the_same_tracked_runs_without_doubled_
     try:
         run = poll("the run dir", lambda: next((tmp_path / "runs").glob("*/job.yaml"), None), 300, proc, log).parent
 
-        def mlflow_holds_step_4():
+        def mlflow_holds_step_4():  # and W&B has started (its first attempt's folder exists)
             ids = json.loads((run / "tracking.json").read_text()) if (run / "tracking.json").is_file() else {}
-            if "mlflow" not in ids:
+            log0 = run / "logs" / "trainer-0.log"
+            if "mlflow" not in ids or not log0.is_file() or "W&B: offline run" not in log0.read_text():
                 return False
             client = _mlflow_client(ids["mlflow"]["tracking_uri"])
             return any(m.step == 4 for m in client.get_metric_history(ids["mlflow"]["run_id"], "reward_mean"))
 
-        poll("MLflow to hold step 4", mlflow_holds_step_4, 600, proc, log, every=0.5)
+        poll("MLflow to hold step 4 and W&B to start", mlflow_holds_step_4, 600, proc, log, every=0.5)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
