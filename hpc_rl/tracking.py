@@ -201,6 +201,10 @@ class _Wandb:
         held = max((int(r.get("_step", 0)) for d in wandb_run_dirs(self.run.root, run_id) for r in wandb_history(d)),
                    default=0)
         group = w.group or (self.info.sweep["dir"] if self.info.sweep else None)
+        # A W&B service of whatever started this job (a notebook, a script that used wandb) is named by WANDB_SERVICE
+        # and inherited: this run would log through that process, where a killed attempt's run id stays "in use"
+        # and the resume cannot open it. The run gets its own service, which ends with rank 0.
+        os.environ.pop("WANDB_SERVICE", None)
         self.wb = wandb.init(project=w.project, entity=w.entity, group=group, tags=list(w.tags) or None,
                              name=self.info.name, id=run_id, resume="allow", mode=w.mode, dir=str(self.run.root),
                              settings=wandb.Settings(console="off", silent=True))

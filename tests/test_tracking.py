@@ -63,10 +63,12 @@ def test_a_tracker_without_its_library_is_a_one_line_error_naming_the_extra(monk
     tracking.check_installed(config.load(TOY))  # both off: nothing needed
 
 
-def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path):
+def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path, monkeypatch):
     """The reader of W&B's run files (resume and sync rely on it) against files the real SDK wrote offline,
     over two attempts of one run id; a file cut mid-record yields its complete records only."""
     import wandb
+
+    monkeypatch.setenv("WANDB_SERVICE", "")  # wandb names its service here; restored (unset) after the test
 
     for steps in ([1, 2, 3], [4, 5]):
         run = wandb.init(project="p", id="abc12345", resume="allow", mode="offline", dir=str(tmp_path), group="g",
@@ -123,7 +125,9 @@ def test_killed_and_resumed_run_continues_the_same_tracked_runs_without_doubled_
             "logging.mlflow.experiment=toy", "reward.function=tests.test_tracking:gated_reward"]
     gate = tmp_path / "gate"
     gate.touch()
-    env = {"PYTHONPATH": str(REPO), "TRACKING_GATE": str(gate), "GATE_AFTER": str(4 * samples)}
+    # WANDB_SERVICE: a W&B service of the process that started the job (here: none that answers) is not the run's.
+    env = {"PYTHONPATH": str(REPO), "TRACKING_GATE": str(gate), "GATE_AFTER": str(4 * samples),
+           "WANDB_SERVICE": f"3-{os.getpid()}-unix-{tmp_path / 'no-such-socket'}"}
     log = tmp_path / "first.log"
     proc = _start(tmp_path, log, env, *args)
     try:
@@ -156,13 +160,13 @@ def test_killed_and_resumed_run_continues_the_same_tracked_runs_without_doubled_
     assert max(before) == 4 and held_mlflow == 4 and held_wandb <= 4, (max(before), held_mlflow, held_wandb)
 
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(TOY), "--resume", str(run)], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=900, env=dict(os.environ, PYTHONPATH=str(REPO)))
+                       capture_output=True, text=True, timeout=900, env=dict(os.environ, **env))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert json.loads((run / "tracking.json").read_text()) == ids  # the same tracked runs
     rows = {row["step"]: row for row in read_metrics(run / "metrics.jsonl")}
     assert sorted(rows) == list(range(1, steps + 1))
     log0 = (run / "logs" / "trainer-0.log").read_text()
-    assert "resumed from" in log0 and "Traceback" not in log0
+    assert "resumed from" in log0 and "Traceback" not in log0 and "failed to" not in log0
     assert "tracking: MLflow already holds steps up to 4" in log0  # step 4 came after the checkpoint: skipped
     if held_wandb > 3:
         assert f"tracking: W&B already holds steps up to {held_wandb}" in log0
