@@ -58,8 +58,9 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if cfg.model.tiny is not None:
-            build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
-                             chat_template=toy_chat_template(cfg.data.source))
+            with tracking.deepspeed_without_mlflow():  # transformers imports DeepSpeed while it builds the model
+                build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
+                                 chat_template=toy_chat_template(cfg.data.source))
             cfg.model.path = str(run.model_init)
             cfg.model.tiny = None
         else:

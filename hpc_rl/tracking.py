@@ -18,6 +18,7 @@ MLflow's default store is a folder: RUN/mlruns, or SWEEP/mlruns for a sweep's po
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -61,6 +62,23 @@ def check_installed(cfg: JobConfig) -> None:
         if on and not _installed(module):
             raise ConfigError(f"{key}: tracking needs the {package} package, which this environment lacks; "
                               f"{INSTALL_HINT}")
+
+
+@contextlib.contextmanager
+def deepspeed_without_mlflow():
+    """DeepSpeed's autotuner imports MLflow whenever it is installed (`import deepspeed`: 3.0 s instead of 0.45 s,
+    measured). DeepSpeed first imported inside this block skips it; afterwards MLflow imports as usual."""
+    import sys
+
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        yield
+        return
+    sys.modules["mlflow"] = None  # what an import sees where a package is not installed
+    try:
+        yield
+    finally:
+        if "mlflow" in sys.modules and sys.modules["mlflow"] is None:
+            del sys.modules["mlflow"]
 
 
 def enabled(cfg: JobConfig) -> bool:

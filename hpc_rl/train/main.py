@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     # Slurm's warning signal (submitit asks for USR2; USR1 when sent by hand): checkpoint at the next step
     # boundary and exit, instead of the default action (death) that would lose the step.
-    from .trainer import request_preemption
+    from ..tracking import deepspeed_without_mlflow
+
+    with deepspeed_without_mlflow():
+        from .trainer import request_preemption
 
     signal.signal(signal.SIGUSR1, request_preemption)
     signal.signal(signal.SIGUSR2, request_preemption)
