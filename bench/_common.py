@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,28 @@ def rounds_args(doc: str, steps: int, rounds: int, quick: tuple[int, int], prefi
 def base_job(name: str = "toy-grpo-cpu") -> dict:
     """A job spec of jobs/ as a mapping, to be modified by a benchmark."""
     return yaml.safe_load((REPO / "jobs" / f"{name}.yaml").read_text())
+
+
+def bench_job(base: str, name: str, steps: int) -> dict:
+    """A jobs/ spec renamed, cut to `steps` steps, without checkpoints: what the A/B benches run."""
+    job = base_job(base)
+    job["name"] = name
+    job["trainer"]["steps"] = steps
+    job["checkpoint"] = {"every": 0}
+    return job
+
+
+def alternate_sides(job: dict, work: Path, sides: dict, rounds: int, measure) -> tuple[dict, dict]:
+    """Run each side (name -> overrides) once per round, in order (A B A B): measure(side, run result) -> a dict of
+    numbers. Returns every run's numbers per side and their medians per side."""
+    runs: dict[str, list[dict]] = {k: [] for k in sides}
+    for r in range(rounds):
+        for side, overrides in sides.items():
+            res = run_hpc_rl(job, work, f"{re.sub(r'[^a-z0-9]+', '-', side.lower())}-{r}", overrides=overrides)
+            runs[side].append(measure(side, res))
+            print(f"round {r} {side}: {runs[side][-1]}", flush=True)
+    med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
+    return runs, med
 
 
 def build_model(tiny: dict, out_dir: Path, source: str = "toy:repeat_digit") -> Path:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import base_job, machine, rounds_args, run_hpc_rl, steady, table, write_result  # noqa: E402
+from _common import alternate_sides, bench_job, machine, rounds_args, steady, table, write_result  # noqa: E402
 
 SIDES = {"no tools": ["rollout.max_turns=1"], "instant tool": [],
          "sandboxed tool": ["rollout.env_kwargs={sandboxed: true}", "rollout.tool_timeout_s=60"]}
@@ -32,24 +32,17 @@ SIDES = {"no tools": ["rollout.max_turns=1"], "instant tool": [],
 
 def main() -> None:
     args, work = rounds_args(__doc__, steps=12, rounds=2, quick=(4, 1), prefix="multi-turn-bench-")
-    job = base_job("toy-tool-cpu")
-    job["name"] = "multi-turn-bench"
-    job["trainer"]["steps"] = args.steps
-    job["checkpoint"] = {"every": 0}
+    job = bench_job("toy-tool-cpu", "multi-turn-bench", args.steps)
     load_before = machine()["load_avg"]
-    runs: dict[str, list[dict]] = {k: [] for k in SIDES}
-    for r in range(args.rounds):
-        for side, overrides in SIDES.items():
-            res = run_hpc_rl(job, work, f"{side.replace(' ', '-')}-{r}", overrides=overrides)
-            m = res["metrics"][1:] or res["metrics"]
-            runs[side].append({"step_s": steady(res["step_s"]),
-                               "rollout_s": statistics.median(x["rollout_seconds"] for x in m),
-                               "idle_s": statistics.median(x["engine_idle_seconds"] for x in m),
-                               "tool_s": statistics.median(x["tool_seconds"] for x in m),
-                               "calls": statistics.median(x["tool_calls_per_sample"] for x in m),
-                               "gen_tokens_per_s": statistics.median(x["gen_tokens_per_s"] for x in m)})
-            print(f"round {r} {side}: {runs[side][-1]}", flush=True)
-    med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
+    def measure(side: str, res: dict) -> dict:
+        m = res["metrics"][1:] or res["metrics"]
+        return {"step_s": steady(res["step_s"]), "rollout_s": statistics.median(x["rollout_seconds"] for x in m),
+                "idle_s": statistics.median(x["engine_idle_seconds"] for x in m),
+                "tool_s": statistics.median(x["tool_seconds"] for x in m),
+                "calls": statistics.median(x["tool_calls_per_sample"] for x in m),
+                "gen_tokens_per_s": statistics.median(x["gen_tokens_per_s"] for x in m)}
+
+    runs, med = alternate_sides(job, work, SIDES, args.rounds, measure)
     ref = med["no tools"]
     rows = [[side, f"{v['step_s']:.2f}", f"{v['step_s'] / ref['step_s']:.2f}", f"{v['rollout_s']:.2f}",
              f"{v['idle_s']:.3f}", f"{v['tool_s']:.2f}", f"{v['calls']:.2f}"] for side, v in med.items()]

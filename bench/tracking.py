@@ -12,37 +12,29 @@ Writes bench/results/tracking.json; the last line printed is one JSON object wit
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import base_job, machine, rounds_args, run_hpc_rl, steady, table, write_result  # noqa: E402
+from _common import alternate_sides, bench_job, machine, rounds_args, steady, table, write_result  # noqa: E402
 
 SIDES = {"metrics.jsonl only": [], "W&B offline + MLflow": ["logging.wandb.mode=offline", "logging.mlflow.experiment=bench"]}
 
 
 def main() -> None:
     args, work = rounds_args(__doc__, steps=12, rounds=2, quick=(4, 1), prefix="tracking-bench-")
-    job = base_job("toy-grpo-cpu")
-    job["name"] = "tracking-bench"
-    job["trainer"]["steps"] = args.steps
-    job["checkpoint"] = {"every": 0}
+    job = bench_job("toy-grpo-cpu", "tracking-bench", args.steps)
     load_before = machine()["load_avg"]
-    runs: dict[str, list[dict]] = {k: [] for k in SIDES}
-    for r in range(args.rounds):
-        for side, overrides in SIDES.items():
-            res = run_hpc_rl(job, work, f"{'tracked' if overrides else 'plain'}-{r}", overrides=overrides)
-            log = Path(res["run_dir"]) / "logs" / "trainer-0.log"
-            # The end: from the last metrics line (rank 0 writes it, then finishes the trackers) to the launcher's exit.
-            runs[side].append({"step_s": steady(res["step_s"]), "first_step_s": res["step_s"][0],
-                               "end_s": res["end_time"] - res["metrics"][-1]["time"], "wall_s": res["wall_s"]})
-            if overrides:
-                text = log.read_text()
-                assert "W&B: offline run" in text and "MLflow: run" in text, text[-2000:]
-            print(f"round {r} {side}: {runs[side][-1]}", flush=True)
-    med = {side: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for side, rs in runs.items()}
+    def measure(side: str, res: dict) -> dict:
+        if SIDES[side]:
+            text = (Path(res["run_dir"]) / "logs" / "trainer-0.log").read_text()
+            assert "W&B: offline run" in text and "MLflow: run" in text, text[-2000:]
+        # The end: from the last metrics line (rank 0 writes it, then finishes the trackers) to the launcher's exit.
+        return {"step_s": steady(res["step_s"]), "first_step_s": res["step_s"][0],
+                "end_s": res["end_time"] - res["metrics"][-1]["time"], "wall_s": res["wall_s"]}
+
+    runs, med = alternate_sides(job, work, SIDES, args.rounds, measure)
     ref = med["metrics.jsonl only"]
     rows = [[side, f"{v['step_s']:.3f}", f"{v['step_s'] / ref['step_s']:.3f}", f"{v['first_step_s']:.2f}",
              f"{v['end_s']:.2f}", f"{v['wall_s']:.1f}", f"{v['wall_s'] / ref['wall_s']:.3f}"] for side, v in med.items()]
