@@ -511,6 +511,10 @@ class WandbConfig:
     # Tags of the run.
     tags: list = field(default_factory=list)
 
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "disabled"
+
 
 @dataclass
 class MlflowConfig:

@@ -57,7 +57,7 @@ def _installed(module: str) -> bool:
 def check_installed(cfg: JobConfig) -> None:
     """A tracker the job turns on needs its library here: a one-line error naming the key and the extra."""
     lg = cfg.logging
-    for key, on, module, package in (("logging.wandb.mode", lg.wandb.mode != "disabled", "wandb", "wandb"),
+    for key, on, module, package in (("logging.wandb.mode", lg.wandb.enabled, "wandb", "wandb"),
                                      ("logging.mlflow", lg.mlflow.enabled, "mlflow", "mlflow-skinny")):
         if on and not _installed(module):
             raise ConfigError(f"{key}: tracking needs the {package} package, which this environment lacks; "
@@ -82,7 +82,7 @@ def deepspeed_without_mlflow():
 
 
 def enabled(cfg: JobConfig) -> bool:
-    return cfg.logging.wandb.mode != "disabled" or cfg.logging.mlflow.enabled
+    return cfg.logging.wandb.enabled or cfg.logging.mlflow.enabled
 
 
 def tracked_metrics(row: dict) -> dict:
@@ -160,42 +160,41 @@ def wandb_run_dirs(root: Path, run_id: str | None = None) -> list[Path]:
     return sorted(dirs, key=lambda d: d.name.split("-", 2)[-1])
 
 
-def wandb_history(run_dir: Path) -> list[dict]:
-    """The history rows (metrics with _step) a W&B run folder's .wandb file holds."""
+def _wandb_parsed(run_dir: Path):
+    """(record type, Record) of a W&B run folder's .wandb files in order; a damaged record ends its file."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    rows = []
     for f in sorted(run_dir.glob("run-*.wandb")):
         for data in _wandb_records(f):
             rec = pb.Record()
             try:
                 rec.ParseFromString(data)
-            except Exception:  # a damaged record: what follows is unreliable
+            except Exception:  # what follows a damaged record is unreliable
                 break
-            if rec.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in rec.history.item})
-    return rows
+            yield rec.WhichOneof("record_type"), rec
+
+
+def _items(items) -> dict:
+    return {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items}
+
+
+def wandb_history(run_dir: Path) -> list[dict]:
+    """The history rows (metrics with _step) a W&B run folder's .wandb file holds."""
+    return [_items(rec.history.item) for kind, rec in _wandb_parsed(run_dir) if kind == "history"]
 
 
 def wandb_run_record(run_dir: Path) -> dict:
     """The run of a W&B run folder: id, project, entity, group, tags, name, and its config (all updates applied)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
     out: dict = {}
     config: dict = {}
-    for f in sorted(run_dir.glob("run-*.wandb")):
-        for data in _wandb_records(f):
-            rec = pb.Record()
-            rec.ParseFromString(data)
-            kind = rec.WhichOneof("record_type")
-            if kind == "run" and not out:
-                r = rec.run
-                out = {"id": r.run_id, "project": r.project, "entity": r.entity, "group": r.run_group,
-                       "tags": list(r.tags), "name": r.display_name}
-                config.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in r.config.update})
-            elif kind == "config":
-                config.update({u.key or "/".join(u.nested_key): json.loads(u.value_json) for u in rec.config.update})
+    for kind, rec in _wandb_parsed(run_dir):
+        if kind == "run" and not out:
+            r = rec.run
+            out = {"id": r.run_id, "project": r.project, "entity": r.entity, "group": r.run_group,
+                   "tags": list(r.tags), "name": r.display_name}
+            config.update(_items(r.config.update))
+        elif kind == "config":
+            config.update(_items(rec.config.update))
     out["config"] = config
     return out
 
@@ -271,6 +270,16 @@ def mlflow_uri(cfg: JobConfig, run: RunDir, info: RunInfo) -> str:
     return (root / "mlruns").as_uri()
 
 
+def mlflow_client(uri: str):
+    """An MlflowClient of `uri`; folder stores allowed (MLflow 3 keeps them in maintenance mode and refuses them
+    unless asked: a folder in the run dir is what a cluster without a tracking server has)."""
+    if uri.startswith("file:"):
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
 class _Mlflow:
     name = "MLflow"
     # MLflow's limit on a parameter's value; longer values (a chat template) are in the job.yaml artifact.
@@ -284,13 +293,7 @@ class _Mlflow:
 
     def start(self, ids: dict) -> int:
         uri = ids.get("tracking_uri") or mlflow_uri(self.cfg, self.run, self.info)
-        if uri.startswith("file:"):
-            # MLflow 3 keeps folder stores in maintenance mode and refuses them unless asked: a folder in the run
-            # dir is what a cluster without a tracking server has.
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(tracking_uri=uri)
+        self.client = mlflow_client(uri)
         if ids.get("run_id"):
             self.run_id = ids["run_id"]
             held = 0
@@ -357,7 +360,7 @@ class Tracker:
         info = run_info(cfg, run)
         self.run = run
         backends = []
-        if cfg.logging.wandb.mode != "disabled":
+        if cfg.logging.wandb.enabled:
             backends.append(_Wandb(cfg, run, info))
         if cfg.logging.mlflow.enabled:
             backends.append(_Mlflow(cfg, run, info))

@@ -57,15 +57,6 @@ def _wait_all_ended(root: Path, timeout_s: float) -> dict:
     return _sweep_status(root)
 
 
-def tracking_client(uri: str):
-    import os
-
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses folder stores unless asked
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 def _png_size(path: Path) -> tuple[int, int]:
     head = path.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n"
@@ -159,7 +150,7 @@ output_dir: {tmp_path / 'sweeps'}
         assert rec["config"]["algorithm"]["kl"]["coef"] == p["overrides"]["algorithm.kl.coef"]
         assert [h["_step"] for d in dirs for h in tracking.wandb_history(d)] == list(range(1, STEPS + 1))
         assert ids["mlflow"]["tracking_uri"] == (root / "mlruns").as_uri()
-    client = tracking_client((root / "mlruns").as_uri())
+    client = tracking.mlflow_client((root / "mlruns").as_uri())
     exp = client.get_experiment_by_name("kl-sweep")
     runs = client.search_runs([exp.experiment_id])
     assert sorted(r.info.run_name for r in runs) == sorted(Path(p["run_dir"]).name for p in points)

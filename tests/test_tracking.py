@@ -35,13 +35,6 @@ def _numbers(d: dict) -> dict:
     return {k: float(v) for k, v in d.items() if not k.startswith(("_", "plots/")) and isinstance(v, (int, float))}
 
 
-def _mlflow_client(uri: str):
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-    from mlflow.tracking import MlflowClient
-
-    return MlflowClient(tracking_uri=uri)
-
-
 # --------------------------------------------------------------------------- without a run
 
 
@@ -138,7 +131,7 @@ def test_killed_and_resumed_run_continues_the_same_tracked_runs_without_doubled_
             log0 = run / "logs" / "trainer-0.log"
             if "mlflow" not in ids or not log0.is_file() or "W&B: offline run" not in log0.read_text():
                 return False
-            client = _mlflow_client(ids["mlflow"]["tracking_uri"])
+            client = tracking.mlflow_client(ids["mlflow"]["tracking_uri"])
             return any(m.step == 4 for m in client.get_metric_history(ids["mlflow"]["run_id"], "reward_mean"))
 
         poll("MLflow to hold step 4 and W&B to start", mlflow_holds_step_4, 600, proc, log, every=0.5)
@@ -155,7 +148,7 @@ def test_killed_and_resumed_run_continues_the_same_tracked_runs_without_doubled_
     wb_id, ml = ids["wandb"]["id"], ids["mlflow"]
     held_wandb = max((h["_step"] for d in tracking.wandb_run_dirs(run, wb_id) for h in tracking.wandb_history(d)),
                      default=0)
-    client = _mlflow_client(ml["tracking_uri"])
+    client = tracking.mlflow_client(ml["tracking_uri"])
     held_mlflow = max((m.step for m in client.get_metric_history(ml["run_id"], "reward_mean")), default=0)
     assert max(before) == 4 and held_mlflow == 4 and held_wandb <= 4, (max(before), held_mlflow, held_wandb)
 
