@@ -21,6 +21,9 @@ from .engine import SampleOut, SamplingParams
 log = logging.getLogger("hpc_rl")
 
 HEALTH_TIMEOUT_S = 5.0
+# A server out of rotation that still does not answer /health (hung, or its node gone) is probed again only after
+# this wait, doubling up to the second value: each probe of a hung server costs the step HEALTH_TIMEOUT_S.
+REPROBE_S = (10.0, 120.0)
 _SEED_MOD = 2**63 - 1
 
 
@@ -39,6 +42,8 @@ class Server:
     session: requests.Session = field(repr=False)
     healthy: bool = True
     last_error: str = ""
+    reprobe_at: float = 0.0  # (monotonic) no rejoin probe before this; see REPROBE_S
+    reprobe_wait: float = 0.0
 
 
 def chunk_seed(seed: int | None, start: int) -> int | None:
@@ -207,10 +212,16 @@ class RolloutClient:
         """Servers restarted (or back) since they dropped out join this push, which gives them the current
         weights; a push that fails for one takes it out again."""
         self.refresh()
+        now = time.monotonic()
         for s in self.servers.values():
-            if not s.healthy and self._health(s) is not None:
-                log.info("rollout server %d at %s answers again; it rejoins with this weight push", s.index, s.url)
-                s.healthy = True
+            if s.healthy or now < s.reprobe_at:
+                continue
+            if self._health(s) is None:
+                s.reprobe_wait = min(REPROBE_S[1], max(REPROBE_S[0], 2 * s.reprobe_wait))
+                s.reprobe_at = now + s.reprobe_wait
+                continue
+            log.info("rollout server %d at %s answers again; it rejoins with this weight push", s.index, s.url)
+            s.healthy, s.reprobe_at, s.reprobe_wait = True, 0.0, 0.0
 
     def _mark_dead(self, srv: Server, cause: str) -> None:
         if srv.healthy:
