@@ -320,6 +320,9 @@ def stop_processes(procs: list[subprocess.Popen], grace_s: float = 10.0) -> None
         if p.poll() is None:
             try:
                 os.killpg(p.pid, signal.SIGTERM)
+                # A stopped process (SIGSTOP, a debugger) acts on SIGTERM only once continued, as a shell's kill does
+                # for a stopped job; otherwise it would hold the run for the whole grace period.
+                os.killpg(p.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
     deadline = time.time() + grace_s
