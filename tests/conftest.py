@@ -15,12 +15,22 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster.helpers import slurm_cluster  # noqa: E402,F401 (the session fixture of the Slurm tests)
+from scheduling import make_scheduler, order_by_cost  # noqa: E402
 
 REQUIRE_ALL = os.environ.get("HPC_RL_REQUIRE_ALL") == "1" or os.environ.get("CI") == "true"
 
 settings.register_profile("ci", derandomize=True, print_blob=True)
 settings.register_profile("dev", print_blob=True)
 settings.load_profile("ci" if REQUIRE_ALL else "dev")
+
+
+def pytest_collection_modifyitems(config, items):
+    order_by_cost(items)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: `-p no:xdist` runs without it
+def pytest_xdist_make_scheduler(config, log):
+    return make_scheduler(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

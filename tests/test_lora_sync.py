@@ -107,6 +107,8 @@ def test_adapters_over_every_transport_serve_the_adapted_model(tiny_model, tmp_p
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_merges_adapters_over_collective_and_file(tiny_model, tmp_path):
+    """~60 s: a vLLM engine starts on CPU (most of the time: one core busy for ~40 s), then takes adapter pushes over
+    the collective and over files."""
     run = make_run(tmp_path / "runs", tiny_model, model={"lora": LORA}, engine="vllm", dtype="float32",
                    max_model_len=64, request_timeout_s=120, retries=0)
     t0 = time.monotonic()

@@ -62,6 +62,8 @@ def _ckpt_step(path) -> int:
 
 
 def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
+    """~130 s on 2 cores: eleven starts of the same run (ten killed at seeded points, one that finishes), each
+    paying the start-up of a launcher, a server and two ranks; the kill points need a real run to hit."""
     rng = random.Random(20261202)
     modes = MODES[:]
     rng.shuffle(modes)

@@ -112,6 +112,8 @@ def test_trainer_rank_death_fails_fast_naming_rank_and_node(tmp_path):
 
 
 def test_rollout_server_killed_and_another_stopped_run_completes(tmp_path):
+    """Over a minute: the stopped server's share of a step waits out rollout.request_timeout_s (10 s) before it
+    moves to a live server, and the run starts three servers."""
     steps = 8
     proc, log = _start(tmp_path, f"trainer.steps={steps}", "rollout.servers_per_node=3",
                        "rollout.request_timeout_s=10", "rollout.retries=2")

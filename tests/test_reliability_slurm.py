@@ -44,6 +44,8 @@ def _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, befor
 
 
 def test_usr_signal_checkpoints_requeues_and_resumes_exactly(slurm_cluster, tmp_path):
+    """~75 s: two attempts of one job (the signal, its checkpoint, Slurm's requeue delay of 20 s in the test
+    cluster, the resumed attempt to the end), as on a cluster that preempts."""
     p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=1",
                f"trainer.steps={STEPS}", "checkpoint.every=0", "trainer.prompts_per_step=8",
                "trainer.mini_batch_size=32", "slurm.signal_delay_s=60", timeout=300)

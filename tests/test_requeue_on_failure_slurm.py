@@ -30,6 +30,8 @@ def _rank_pid(run: Path, rank: int) -> int | None:
 
 
 def test_killed_rank_requeues_and_resumes_from_the_checkpoint(slurm_cluster, tmp_path):
+    """~80 s: a run on the cluster, a rank killed, Slurm's requeue (its cred_expire delay, 20 s in the test
+    cluster) and the second attempt, which must start again and finish."""
     p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=1",
                f"trainer.steps={STEPS}", "checkpoint.every=2", "trainer.prompts_per_step=8",
                "trainer.mini_batch_size=32", "slurm.requeue_on_failure=1", timeout=300)

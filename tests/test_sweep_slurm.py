@@ -64,6 +64,8 @@ def _png_size(path: Path) -> tuple[int, int]:
 
 
 def test_sweep_as_throttled_job_array_with_failure_resubmit_plot_export(slurm_cluster, tmp_path):
+    """~120 s on 2 cores: four points of a job array, two at a time (the throttle), one failing and resubmitted,
+    each a short run on the cluster; the tracking, plot and export checks read the same sweep."""
     sweep_file = tmp_path / "sweep.yaml"
     sweep_file.write_text(f"""
 name: kl-test

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.slow
                                        ("toy-ppo-cpu.yaml", ["rollout.async_steps=1"]),
                                        ("toy-grpo-lora-cpu.yaml", [])])
 def test_toy_job_learns(job, extra, tmp_path):
+    """60-110 s each on 2 cores: 80-100 RL steps of 256 samples are what the toys need to learn (their curves reach
+    0.8 between steps 35 and 60); fewer steps would test a start, not learning."""
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / job), "checkpoint.every=0", *extra],
                        capture_output=True, text=True, cwd=tmp_path, timeout=1800,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
