@@ -15,7 +15,7 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster.helpers import slurm_cluster  # noqa: E402,F401 (the session fixture of the Slurm tests)
-from scheduling import make_scheduler, order_by_cost  # noqa: E402
+from scheduling import make_scheduler, order_by_cost, solo_or_shared  # noqa: E402
 
 REQUIRE_ALL = os.environ.get("HPC_RL_REQUIRE_ALL") == "1" or os.environ.get("CI") == "true"
 
@@ -41,6 +41,13 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"HPC_RL_REQUIRE_ALL=1 (CI) forbids skipping; this test would skip: {reason}"
+
+
+@pytest.fixture(autouse=True)
+def _solo_or_shared(request):
+    """A test marked `solo` runs while the other xdist worker runs none (tests/scheduling.py)."""
+    with solo_or_shared(request.node.get_closest_marker("solo") is not None):
+        yield
 
 
 @pytest.fixture(scope="session")

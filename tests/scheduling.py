@@ -13,7 +13,11 @@ xdist's own `xdist_group` mark cannot do this here: it renames `item._nodeid`, w
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -68,3 +72,26 @@ def make_scheduler(config, log):
             return group_of_nodeid(nodeid)
 
     return ModuleScheduling(config, log)
+
+
+@contextlib.contextmanager
+def solo_or_shared(solo: bool):
+    """While a test marked `solo` runs, the other worker runs no test: for the few tests whose result depends on
+    timing (the multi-turn toy's samples follow which tool calls finish first). Every test holds the run's lock
+    shared, a solo test holds it alone; a gate taken first keeps a waiting solo test from being starved by the
+    other worker's stream of shared holders. Outside xdist there is nothing to share."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    base = Path(tempfile.gettempdir()) / f"hpc-rl-tests-{run}"
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
+        if not solo:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
