@@ -43,10 +43,10 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"HPC_RL_REQUIRE_ALL=1 (CI) forbids skipping; this test would skip: {reason}"
 
 
-@pytest.fixture(autouse=True)
-def _solo_or_shared(request):
-    """A test marked `solo` runs while the other xdist worker runs none (tests/scheduling.py)."""
-    with solo_or_shared(request.node.get_closest_marker("solo") is not None):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # Around setup, call and teardown: a module's shared run (set up with its first test) counts as that test's.
+    with solo_or_shared(item.get_closest_marker("solo") is not None):
         yield
 
 
