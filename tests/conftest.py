@@ -15,7 +15,7 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cluster.helpers import slurm_cluster  # noqa: E402,F401 (the session fixture of the Slurm tests)
-from scheduling import make_scheduler, order_by_cost, solo_or_shared  # noqa: E402
+from scheduling import make_scheduler, order_by_cost, remove_locks, solo_or_shared  # noqa: E402
 
 REQUIRE_ALL = os.environ.get("HPC_RL_REQUIRE_ALL") == "1" or os.environ.get("CI") == "true"
 
@@ -48,6 +48,11 @@ def pytest_runtest_protocol(item, nextitem):
     # Around setup, call and teardown: a module's shared run (set up with its first test) counts as that test's.
     with solo_or_shared(item.get_closest_marker("solo") is not None):
         yield
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without xdist)
+        remove_locks()
 
 
 @pytest.fixture(scope="session")

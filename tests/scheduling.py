@@ -80,11 +80,10 @@ def solo_or_shared(solo: bool):
     timing (the multi-turn toy's samples follow which tool calls finish first). Every test holds the run's lock
     shared, a solo test holds it alone; a gate taken first keeps a waiting solo test from being starved by the
     other worker's stream of shared holders. Outside xdist there is nothing to share."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
         yield
         return
-    base = Path(tempfile.gettempdir()) / f"hpc-rl-tests-{run}"
+    base = lock_base(os.getppid())  # the controller, which removes the files at its end (remove_locks)
     with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if solo else fcntl.LOCK_SH)
@@ -95,3 +94,14 @@ def solo_or_shared(solo: bool):
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def lock_base(controller_pid: int) -> Path:
+    """The prefix of the two lock files of the test session whose xdist controller is `controller_pid`."""
+    return Path(tempfile.gettempdir()) / f"hpc-rl-tests-{controller_pid}"
+
+
+def remove_locks() -> None:
+    """In the controller at the session's end: its workers' lock files."""
+    for suffix in (".gate", ".lock"):
+        Path(f"{lock_base(os.getpid())}{suffix}").unlink(missing_ok=True)
