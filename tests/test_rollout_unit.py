@@ -252,3 +252,9 @@ def test_a_server_that_fails_its_rejoin_probe_is_probed_again_only_after_a_growi
     answers["http://h:2"] = {"policy_version": 0}
     c._rejoin()
     assert probes[-1] == "http://h:2" and c.servers[0].healthy
+
+    # Every server out: the fallback re-probe that brings one back also restarts its backoff.
+    srv = c.servers[0]
+    srv.healthy, srv.reprobe_at, srv.reprobe_wait = False, now[0] + hi, hi
+    answers["http://h:2"] = {"policy_version": 1}
+    assert c._healthy() == [srv] and srv.reprobe_wait == 0.0 and srv.reprobe_at == 0.0

@@ -65,6 +65,11 @@ def split_contiguous(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
     return out
 
 
+def _back(srv: Server) -> None:
+    """A server answers again: it takes work, and a later failure starts its re-probe backoff from the start."""
+    srv.healthy, srv.reprobe_at, srv.reprobe_wait = True, 0.0, 0.0
+
+
 class _HTTPFailure(Exception):
     """A request that may succeed elsewhere (connection error, timeout, 5xx)."""
 
@@ -205,7 +210,7 @@ class RolloutClient:
         for s in self.servers.values():
             h = self._health(s)
             if h is not None and (self.pushed_version is None or h.get("policy_version") == self.pushed_version):
-                s.healthy = True
+                _back(s)
         return sorted((s for s in self.servers.values() if s.healthy), key=lambda s: s.index)
 
     def _rejoin(self) -> None:
@@ -221,7 +226,7 @@ class RolloutClient:
                 s.reprobe_at = now + s.reprobe_wait
                 continue
             log.info("rollout server %d at %s answers again; it rejoins with this weight push", s.index, s.url)
-            s.healthy, s.reprobe_at, s.reprobe_wait = True, 0.0, 0.0
+            _back(s)
 
     def _mark_dead(self, srv: Server, cause: str) -> None:
         if srv.healthy:
