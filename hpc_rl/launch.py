@@ -16,7 +16,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import config, rundir, tracking
-from .cluster.nccl import nccl_env
 from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
@@ -26,6 +25,7 @@ from .models.loading import load_tokenizer
 from .models.lora import check_targets as check_lora_targets
 from .models.tiny import build_tiny_model
 from .models.tiny_reward import build_tiny_reward_model
+from .nccl import nccl_env
 from .netutil import advertise_host, free_port
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model

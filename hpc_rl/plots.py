@@ -64,7 +64,7 @@ def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path) -> 
 
 
 def _sweep_curves(root: Path) -> tuple[str, list[tuple[str, list[dict]]]]:
-    from .cluster.sweep import load_state
+    from .rundir import load_state
 
     state = load_state(root)
     curves = [(f"{p['index']}: {p['label']}", read_metrics(Path(p["run_dir"]) / "metrics.jsonl"))
@@ -75,7 +75,7 @@ def _sweep_curves(root: Path) -> tuple[str, list[tuple[str, list[dict]]]]:
 def plot_target(target: str, out: str | None = None, runs_dir: str = "runs",
                 sweeps_dir: str = "runs/sweeps") -> int:
     """`hpc-rl plot RUN_OR_SWEEP [--out PNG]`: write the PNG and print its path."""
-    from .cluster.sweep import find_run_or_sweep
+    from .rundir import find_run_or_sweep
 
     kind, root = find_run_or_sweep(target, runs_dir, sweeps_dir)
     if kind == "sweep":

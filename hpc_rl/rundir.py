@@ -2,7 +2,7 @@
 
 Layout (DESIGN.md "Job directory"): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl,
 tensorboard/, plots/, checkpoints/step_N/{hf,deepspeed}/ + checkpoints/latest, weights/ (file sync),
-model-init/ (a tiny model built for this run).
+model-init/ (a tiny model built for this run). Also: finding runs and sweeps by name, for every command.
 """
 
 from __future__ import annotations
@@ -14,10 +14,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError, HpcRlError
+from .errors import ClusterError, ConfigError, HpcRlError
 
 # A new run writes 64 hex characters; anything this short was not written by hpc-rl.
 MIN_TOKEN_CHARS = 16
+# A sweep dir (cluster/sweep.py writes it): sweep.json lists its points, each an ordinary run dir under points/.
+SWEEP_JSON = "sweep.json"
+POINTS_DIR = "points"
+DEFAULT_SWEEPS_DIR = "runs/sweeps"
 
 
 @dataclass(frozen=True)
@@ -213,3 +217,66 @@ def find(run: str | Path, runs_dir: str | Path = "runs") -> RunDir:
         raise HpcRlError(f"run {run!r} is ambiguous in {base}: {names}; give the full name")
     raise HpcRlError(f"run {run!r} not found (looked for a run dir with job.yaml, and in {base}/); "
                      "pass a run dir or a name listed by `hpc-rl status`")
+
+
+# --------------------------------------------------------------------------- sweeps: found beside runs, so that
+# plots, tracking and status read them without importing cluster/.
+
+
+def find_sweep(sweep: str | Path, sweeps_dir: str | Path = DEFAULT_SWEEPS_DIR) -> Path:
+    """A sweep given as its dir or as a name (unique prefix) under sweeps_dir."""
+    p = Path(sweep)
+    if (p / SWEEP_JSON).is_file():
+        return p.resolve()
+    base = Path(sweeps_dir)
+    if (base / str(sweep) / SWEEP_JSON).is_file():
+        return (base / str(sweep)).resolve()
+    matches = sorted(d for d in base.glob(f"{sweep}*") if (d / SWEEP_JSON).is_file()) if base.is_dir() else []
+    if len(matches) == 1:
+        return matches[0].resolve()
+    if len(matches) > 1:
+        raise ClusterError(f"sweep {sweep!r} is ambiguous in {base}: {', '.join(m.name for m in matches[:5])}; "
+                           "give the full name")
+    raise ClusterError(f"sweep {sweep!r} not found (no {SWEEP_JSON} there nor in {base}/); pass the sweep dir "
+                       "that `hpc-rl sweep` printed")
+
+
+def is_sweep(path: str | Path) -> bool:
+    return (Path(path) / SWEEP_JSON).is_file()
+
+
+def load_state(root: Path) -> dict:
+    data = read_json(root / SWEEP_JSON)
+    if data is None:
+        raise ClusterError(f"{root / SWEEP_JSON}: missing or unreadable; the sweep dir is incomplete")
+    return data
+
+
+def find_run_or_sweep(target: str, runs_dir: str | Path = "runs", sweeps_dir: str | Path = DEFAULT_SWEEPS_DIR
+                      ) -> tuple[str, Path]:
+    """("sweep", SWEEP_DIR) or ("run", RUN_DIR) for a path or a name (looked up in runs_dir, then sweeps_dir)."""
+    p = Path(target)
+    if is_sweep(p) or (not (p / "job.yaml").is_file() and is_sweep(Path(sweeps_dir) / target)):
+        return "sweep", find_sweep(target, sweeps_dir)
+    try:
+        return "run", find(target, runs_dir).root
+    except HpcRlError:
+        try:
+            return "sweep", find_sweep(target, sweeps_dir)
+        except HpcRlError:
+            raise HpcRlError(f"{target!r} is neither a run nor a sweep (no job.yaml or sweep.json; looked in "
+                             f"{runs_dir}/ and {sweeps_dir}/); pass the dir that run/submit/sweep printed") from None
+
+
+def sweep_point(run_root: Path) -> dict | None:
+    """The sweep a run dir is a point of: {"name", "dir", "path", "index", "label", "overrides"}; None otherwise."""
+    run_root = Path(run_root).resolve()
+    root = run_root.parent.parent
+    if run_root.parent.name != POINTS_DIR or not is_sweep(root):
+        return None
+    state = read_json(root / SWEEP_JSON) or {}
+    for p in state.get("points", []):
+        if Path(p["run_dir"]).resolve() == run_root:
+            return {"name": state.get("name"), "dir": root.name, "path": str(root), "index": p["index"],
+                    "label": p["label"], "overrides": p["overrides"]}
+    return None

@@ -101,7 +101,7 @@ class RunInfo:
 
 
 def run_info(cfg: JobConfig, run: RunDir) -> RunInfo:
-    from .cluster.sweep import sweep_point
+    from .rundir import sweep_point
 
     spec = dataclasses.asdict(cfg)
     point = sweep_point(run.root)
@@ -473,8 +473,8 @@ def sync(target: str, dry_run: bool = False, runs_dir: str = "runs", sweeps_dir:
     import subprocess
     import sys
 
-    from .cluster.sweep import find_run_or_sweep, load_state
     from .errors import HpcRlError
+    from .rundir import find_run_or_sweep, load_state
 
     kind, root = find_run_or_sweep(target, runs_dir, sweeps_dir)
     roots = [Path(p["run_dir"]) for p in load_state(root)["points"]] if kind == "sweep" else [root]

@@ -11,9 +11,9 @@ import pytest
 from hpc_rl import cli, config, netutil
 from hpc_rl.cluster import env as cenv
 from hpc_rl.cluster.layout import node_roles, role_of, total_nodes
-from hpc_rl.cluster.nccl import nccl_env
 from hpc_rl.cluster.render import executor_params, render, time_minutes
 from hpc_rl.errors import ConfigError
+from hpc_rl.nccl import nccl_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

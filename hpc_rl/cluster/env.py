@@ -7,8 +7,8 @@ import os
 import socket
 
 from ..config import JobConfig
+from ..nccl import nccl_env
 from ..netutil import NODE_ADDR_ENV, node_address
-from .nccl import nccl_env
 
 log = logging.getLogger("hpc_rl")
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 from ..config import JobConfig
 from ..errors import ConfigError
+from ..nccl import nccl_env
 from ..templating import render as render_template
 from .layout import total_nodes
-from .nccl import nccl_env
 
 # submitit names its files %j_submission.sh, %j_%t_log.out, %j_%t_result.pkl under this folder.
 SUBMITIT_DIR = "submitit"

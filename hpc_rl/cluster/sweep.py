@@ -29,19 +29,25 @@ from typing import Any
 import yaml
 
 from .. import config
-from ..errors import ClusterError, ConfigError, HpcRlError
-from ..rundir import RunDir, new_stamped_dir, read_json, write_json_atomic
+from ..errors import ClusterError, ConfigError
+from ..rundir import (
+    DEFAULT_SWEEPS_DIR,
+    POINTS_DIR,
+    SWEEP_JSON,
+    RunDir,
+    find_sweep,
+    load_state,
+    new_stamped_dir,
+    write_json_atomic,
+)
 from .layout import check_layout, total_nodes
 from .render import SUBMITIT_DIR, executor_params, submitit_command
 from .submit import SLURM_JSON
 
 log = logging.getLogger("hpc_rl")
 
-SWEEP_JSON = "sweep.json"
 SWEEP_YAML = "sweep.yaml"
-POINTS_DIR = "points"
 ARRAYS_DIR = "arrays"
-DEFAULT_OUTPUT = "runs/sweeps"
 _KEYS = {"name", "base", "overrides", "grid", "list", "seeds", "max_parallel", "output_dir"}
 # Stands for the array task id in the rendered preamble; replaced by ${SLURM_ARRAY_TASK_ID:-0}.
 _TASK_TOKEN = "HPCRLARRAYTASK"
@@ -67,7 +73,7 @@ class SweepSpec:
     overrides: list = field(default_factory=list)   # applied to every point
     points: list = field(default_factory=list)
     max_parallel: int | None = None
-    output_dir: str = DEFAULT_OUTPUT
+    output_dir: str = DEFAULT_SWEEPS_DIR
 
 
 def _yaml_value(v: Any) -> str:
@@ -158,7 +164,7 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"{path}: name {name!r} must be a non-empty name without '/'")
     spec = SweepSpec(name=name, base=base, overrides=common, points=points, max_parallel=mp,
-                     output_dir=str(data.get("output_dir") or DEFAULT_OUTPUT))
+                     output_dir=str(data.get("output_dir") or DEFAULT_SWEEPS_DIR))
     for pt in points:
         try:
             check_layout(point_config(spec, pt))
@@ -225,67 +231,6 @@ def render_array(cfgs: list[config.JobConfig], sweep_root: Path, name: str, max_
 
 def _create_sweep_dir(output_dir: str, name: str) -> Path:
     return new_stamped_dir(output_dir, name, fix="set output_dir in the sweep file")
-
-
-def find_sweep(sweep: str | Path, sweeps_dir: str | Path = DEFAULT_OUTPUT) -> Path:
-    """A sweep given as its dir or as a name (unique prefix) under sweeps_dir."""
-    p = Path(sweep)
-    if (p / SWEEP_JSON).is_file():
-        return p.resolve()
-    base = Path(sweeps_dir)
-    if (base / str(sweep) / SWEEP_JSON).is_file():
-        return (base / str(sweep)).resolve()
-    matches = sorted(d for d in base.glob(f"{sweep}*") if (d / SWEEP_JSON).is_file()) if base.is_dir() else []
-    if len(matches) == 1:
-        return matches[0].resolve()
-    if len(matches) > 1:
-        raise ClusterError(f"sweep {sweep!r} is ambiguous in {base}: {', '.join(m.name for m in matches[:5])}; "
-                           "give the full name")
-    raise ClusterError(f"sweep {sweep!r} not found (no {SWEEP_JSON} there nor in {base}/); pass the sweep dir "
-                       "that `hpc-rl sweep` printed")
-
-
-def is_sweep(path: str | Path) -> bool:
-    return (Path(path) / SWEEP_JSON).is_file()
-
-
-def load_state(root: Path) -> dict:
-    data = read_json(root / SWEEP_JSON)
-    if data is None:
-        raise ClusterError(f"{root / SWEEP_JSON}: missing or unreadable; the sweep dir is incomplete")
-    return data
-
-
-def find_run_or_sweep(target: str, runs_dir: str | Path = "runs", sweeps_dir: str | Path = DEFAULT_OUTPUT
-                      ) -> tuple[str, Path]:
-    """("sweep", SWEEP_DIR) or ("run", RUN_DIR) for a path or a name (looked up in runs_dir, then sweeps_dir)."""
-    from ..rundir import find
-
-    p = Path(target)
-    if is_sweep(p) or (not (p / "job.yaml").is_file() and is_sweep(Path(sweeps_dir) / target)):
-        return "sweep", find_sweep(target, sweeps_dir)
-    try:
-        return "run", find(target, runs_dir).root
-    except HpcRlError:
-        try:
-            return "sweep", find_sweep(target, sweeps_dir)
-        except HpcRlError:
-            raise HpcRlError(f"{target!r} is neither a run nor a sweep (no job.yaml or sweep.json; looked in "
-                             f"{runs_dir}/ and {sweeps_dir}/); pass the dir that run/submit/sweep printed") from None
-
-
-def sweep_point(run_root: Path) -> dict | None:
-    """The sweep a run dir is a point of: {"name", "dir", "path", "index", "label", "overrides"}; None otherwise."""
-    run_root = Path(run_root).resolve()
-    root = run_root.parent.parent
-    if run_root.parent.name != POINTS_DIR or not is_sweep(root):
-        return None
-    state = read_json(root / SWEEP_JSON) or {}
-    for p in state.get("points", []):
-        if Path(p["run_dir"]).resolve() == run_root:
-            return {"name": state.get("name"), "dir": root.name, "path": str(root), "index": p["index"],
-                    "label": p["label"], "overrides": p["overrides"]}
-    return None
 
 
 # --------------------------------------------------------------------------- submitting
@@ -402,7 +347,7 @@ def _squeue_answers() -> bool:
         return False
 
 
-def resubmit_failed(sweep: str, sweeps_dir: str = DEFAULT_OUTPUT) -> int:
+def resubmit_failed(sweep: str, sweeps_dir: str = DEFAULT_SWEEPS_DIR) -> int:
     """`hpc-rl sweep resubmit SWEEP --failed`: one new array of the points that failed; each resumes
     from its own latest checkpoint (the trainer does that whenever the run dir has one)."""
     from .sweep_status import point_infos
@@ -429,7 +374,7 @@ RESUBMIT_STATES = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY
 
 
 def sweep_cli(args: list[str], dry_run: bool = False, as_json: bool = False, failed: bool = False,
-              follow: bool = False, sweeps_dir: str = DEFAULT_OUTPUT) -> int:
+              follow: bool = False, sweeps_dir: str = DEFAULT_SWEEPS_DIR) -> int:
     """`hpc-rl sweep [run] FILE [overrides] | status SWEEP | resubmit SWEEP --failed`."""
     action, rest = (args[0], args[1:]) if args and args[0] in ("run", "status", "resubmit") else ("run", args)
     if not rest:

@@ -10,10 +10,9 @@ from pathlib import Path
 
 from ..logs import tail_lines
 from ..metrics import read_metrics
-from ..rundir import RunDir
+from ..rundir import DEFAULT_SWEEPS_DIR, RunDir, find_sweep, load_state
 from . import slurmq
 from .status import log_files, run_info
-from .sweep import DEFAULT_OUTPUT, find_sweep, load_state
 
 LOG_TAIL_LINES = 4
 FOLLOW_POLL_S = 3.0
@@ -124,7 +123,7 @@ def _follow(root: Path, state: dict, timeout_s: float) -> list[dict]:
             infos = point_infos(root, state)
 
 
-def show_sweep_status(sweep: str, sweeps_dir: str = DEFAULT_OUTPUT, as_json: bool = False,
+def show_sweep_status(sweep: str, sweeps_dir: str = DEFAULT_SWEEPS_DIR, as_json: bool = False,
                       follow: bool = False, timeout_s: float = FOLLOW_TIMEOUT_S) -> int:
     """Print the sweep's table (or JSON); with follow, first wait until every point has ended."""
     root = find_sweep(sweep, sweeps_dir)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ..config import JobConfig
+from .config import JobConfig
 
 
 def nccl_env(cfg: JobConfig) -> dict[str, str]:

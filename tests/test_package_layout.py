@@ -1,0 +1,46 @@
+"""The package layout's one import rule (DESIGN.md "Layout"): nothing outside cluster/ imports cluster/, except
+the CLI that dispatches to it, so the Slurm side never sits in an import circle with runs, plots or tracking."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parent.parent / "hpc_rl"
+
+
+def _imported_modules(path: Path, pkg: Path = PKG) -> set[str]:
+    """Absolute names of the modules a file of package `pkg` imports, at any depth (lazy imports included)."""
+    parts = list(path.relative_to(pkg.parent).with_suffix("").parts)
+    package = parts[:-1] if parts[-1] != "__init__" else parts
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            mod = ".".join(base + ([node.module] if node.module else []))
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def test_nothing_outside_cluster_imports_cluster_except_the_cli():
+    offenders = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "cluster" or rel == Path("cli.py"):
+            continue
+        bad = sorted(m for m in _imported_modules(path) if m == "hpc_rl.cluster" or m.startswith("hpc_rl.cluster."))
+        if bad:
+            offenders.append(f"{rel}: {', '.join(bad)}")
+    assert not offenders, "modules outside cluster/ import it:\n" + "\n".join(offenders)
+
+
+def test_the_import_scan_sees_relative_and_lazy_imports(tmp_path):
+    """The scan itself: a lazy relative import of cluster/ from a nested module is found (else the rule proves nothing)."""
+    path = tmp_path / "hpc_rl" / "rollout" / "probe.py"
+    path.parent.mkdir(parents=True)
+    path.write_text("def f():\n    from ..cluster.sweep import load_sweep\n    from . import client\n")
+    assert _imported_modules(path, tmp_path / "hpc_rl") == {
+        "hpc_rl.cluster.sweep", "hpc_rl.cluster.sweep.load_sweep", "hpc_rl.rollout", "hpc_rl.rollout.client"}
