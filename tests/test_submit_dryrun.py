@@ -204,7 +204,9 @@ def test_debug_logs_the_node_settings(monkeypatch, caplog):
         monkeypatch.delenv(k, raising=False)
     logger = logging.getLogger("hpc_rl")
     logger.addHandler(caplog.handler)  # the project logger may not propagate to the root
-    monkeypatch.setattr(logger, "level", logging.DEBUG)
+    # setLevel, not a bare `level`: it clears the logger's isEnabledFor cache, which an earlier test in this worker
+    # may have filled at INFO (then debug lines vanish, depending on the order tests ran in).
+    caplog.set_level(logging.DEBUG, logger="hpc_rl")
     try:
         cenv.prepare_node_env(_cfg(env={"nccl": {"ib_disable": True}}))
     finally:
