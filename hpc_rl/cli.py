@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .errors import HpcRlError
+from .errors import ConfigError, HpcRlError
 
 
 def _add_job(p: argparse.ArgumentParser) -> None:
@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="write an HF model folder (or a LoRA run's PEFT adapter folder) from a checkpoint")
     p.add_argument("run", help="a run name or run dir")
     p.add_argument("out", help="output folder")
-    p.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    which.add_argument("--best", action="store_true", help="the best checkpoint (checkpoint.keep_best: checkpoints/best)")
     form = p.add_mutually_exclusive_group()
     form.add_argument("--merged", dest="form", action="store_const", const="merged",
                       help="a LoRA run's adapters merged into the base: a plain HF folder (the default)")
@@ -60,6 +62,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", "-f", action="store_true", help="status: wait (with progress) until every point ended")
     p.add_argument("--failed", action="store_true", help="resubmit: the points that failed (they resume)")
     p.add_argument("--sweeps-dir", default="runs/sweeps", help="where sweeps live (default: runs/sweeps)")
+
+    p = sub.add_parser("eval", help="evaluate a run's checkpoints (or an HF folder) on held-out prompts (eval.*)")
+    p.add_argument("target", metavar="RUN_OR_MODEL_DIR", help="a run (name or dir), or an HF model folder with --job")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, help="the checkpoint of this step (default: the newest)")
+    which.add_argument("--all", action="store_true", help="every complete checkpoint, in step order")
+    which.add_argument("--best", action="store_true", help="the best checkpoint (checkpoint.keep_best)")
+    p.add_argument("--job", help="the job spec of an HF model folder (its eval section and reward)")
+    p.add_argument("--submit", action="store_true", help="as a Slurm job array, one element per checkpoint")
+    p.add_argument("--dry-run", action="store_true", help="with --submit: print the array's sbatch script only")
+    p.add_argument("overrides", nargs="*", help="eval.* / rollout.* overrides, e.g. eval.samples_per_prompt=8")
+    p.add_argument("--runs-dir", default="runs")
 
     p = sub.add_parser("plot", help="PNG of reward/KL curves of a run or a sweep (into its plots/)")
     p.add_argument("target", metavar="RUN_OR_SWEEP", help="a run or sweep (name or dir)")
@@ -108,11 +122,23 @@ def dispatch(args: argparse.Namespace) -> int:
         return cancel_run(args.run, runs_dir=args.runs_dir)
     if args.command == "export":
         from .train.export import export_hf
-        return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir, form=args.form or "merged")
+        return export_hf(args.run, args.out, step=args.step, runs_dir=args.runs_dir, form=args.form or "merged",
+                         best=args.best)
     if args.command == "sweep":
         from .cluster.sweep import sweep_cli
         return sweep_cli(args.args, dry_run=args.dry_run, as_json=args.json, failed=args.failed, follow=args.follow,
                          sweeps_dir=args.sweeps_dir)
+    if args.command == "eval" and (args.submit or args.dry_run):
+        if args.job or not args.submit:
+            raise ConfigError("hpc-rl eval: --submit evaluates a run's checkpoints (not --job), and --dry-run goes "
+                              "with --submit; e.g. hpc-rl eval RUN --all --submit --dry-run")
+        from .cluster.eval_array import submit_eval
+        return submit_eval(args.target, step=args.step, every=args.all, best=args.best, overrides=args.overrides,
+                           dry_run=args.dry_run, runs_dir=args.runs_dir)
+    if args.command == "eval":
+        from .eval.offline import eval_cli
+        return eval_cli(args.target, step=args.step, every=args.all, best=args.best, job=args.job,
+                        overrides=args.overrides, runs_dir=args.runs_dir)
     if args.command == "plot":
         from .plots import plot_target
         return plot_target(args.target, out=args.out, runs_dir=args.runs_dir, sweeps_dir=args.sweeps_dir)

@@ -413,6 +413,51 @@ class RolloutConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out evaluation during training: the policy of a step generates on prompts it never trains on, on the
+    rollout servers, with seeds of its own (training samples are the same with evaluation on or off)."""
+
+    # The held-out prompts, in any form data.source takes (toy:NAME, a .jsonl/.parquet file, hf:NAME); null: none.
+    source: str | None = None
+    # The split of an hf: dataset or of a toy task (toy tasks with held-out prompts have a test split).
+    split: str = "test"
+    # The row field holding the prompt (null: data.prompt_key).
+    prompt_key: str | None = None
+    # Evaluate every N steps and after the last step; 0: only after the last step.
+    every: int = 0
+    # Also evaluate the initial policy (step 0): the baseline the later numbers are read against.
+    at_start: bool = True
+    # Samples per prompt k: pass@k is reported for k = 1, 2, 4, ... up to it (unbiased estimator).
+    samples_per_prompt: int = 1
+    # Sampling temperature; 0 is greedy (then samples_per_prompt must be 1).
+    temperature: float = 0.0
+    # Nucleus sampling mass (1: off).
+    top_p: float = 1.0
+    # Longest response in tokens; null: rollout.max_new_tokens.
+    max_new_tokens: int | None = None
+    # Evaluate a fixed, seeded subset of this many prompts; null: all of them.
+    max_prompts: int | None = None
+    # The scoring function pkg.module:function (as reward.function); null: reward.function with reward.kwargs.
+    reward: str | None = None
+    # Keyword arguments of eval.reward (only when eval.reward is set).
+    reward_kwargs: dict = field(default_factory=dict)
+    # A sample passes (pass@k) when its score is >= this.
+    pass_threshold: float = 1.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.source is not None
+
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether the policy after `step` steps (0: the initial one) is evaluated."""
+        if not self.enabled:
+            return False
+        if step == 0:
+            return self.at_start
+        return step == last_step or (self.every > 0 and step % self.every == 0)
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints: checkpoints/step_N/{hf,deepspeed}/, written atomically."""
 
@@ -422,6 +467,11 @@ class CheckpointConfig:
     keep_last: int = 2
     # Also write the actor as an HF model folder (what `hpc-rl export` and from_pretrained read).
     save_hf: bool = True
+    # Keep the checkpoint with the best value of this evaluation metric (e.g. eval/pass@1) besides the newest
+    # keep_last, linked as checkpoints/best; a checkpoint is then also written at every evaluated step. null: off.
+    keep_best: str | None = None
+    # Whether a larger (max) or a smaller (min) keep_best value is better.
+    best_mode: Literal["max", "min"] = "max"
 
 
 @dataclass
@@ -566,6 +616,8 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # The rollout servers.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Held-out evaluation (eval.jsonl, eval/step_N.jsonl).
+    eval: EvalConfig = field(default_factory=EvalConfig)
     # Checkpoints.
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # The processes' environment.
@@ -598,6 +650,16 @@ class JobConfig:
     def rollout_servers(self) -> int:
         """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth)."""
         return max(1, self.rollout.nodes) * self.rollout.servers_per_node
+
+
+def eval_metric_names(k: int) -> list[str]:
+    """The eval/ metrics an evaluation with k samples per prompt reports (eval/pass_at_k.py computes them)."""
+    ks, j = [], 1
+    while j < k:
+        ks.append(j)
+        j *= 2
+    return (["eval/reward_mean", f"eval/mean@{k}"] + [f"eval/pass@{j}" for j in ks + [k]]
+            + ["eval/response_tokens_mean", "eval/truncated_frac"])
 
 
 # --------------------------------------------------------------------------- building from dicts
@@ -831,6 +893,8 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(0 <= r.async_steps <= 16, f"rollout.async_steps must be in [0, 16] (0: synchronous); got {r.async_steps}")
     if r.env is not None:
         _validate_env(cfg, need)
+    if cfg.eval.enabled:
+        _validate_eval(cfg, need)
     need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")
     for key, cpus in (("trainer.local_cpus", t.local_cpus), ("rollout.local_cpus", r.local_cpus)):
         need(all(isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in cpus),
@@ -845,6 +909,12 @@ def validate(cfg: JobConfig) -> JobConfig:
              f"{t.procs_per_node}")
     need(cfg.checkpoint.every >= 0 and cfg.checkpoint.keep_last >= 1,
          "checkpoint.every must be >= 0 and checkpoint.keep_last >= 1")
+    if cfg.checkpoint.keep_best is not None:
+        need(cfg.eval.enabled, f"checkpoint.keep_best: {cfg.checkpoint.keep_best!r} is an evaluation metric but the "
+             "job has no evaluation; set eval.source (held-out prompts) or remove checkpoint.keep_best")
+        names = eval_metric_names(cfg.eval.samples_per_prompt)
+        need(cfg.checkpoint.keep_best in names, f"checkpoint.keep_best: {cfg.checkpoint.keep_best!r} is not an "
+             f"evaluation metric of this job; use one of {', '.join(names)}")
     need(cfg.logging.every >= 1, f"logging.every must be >= 1; got {cfg.logging.every}")
     need(bool(cfg.logging.wandb.project) and "/" not in cfg.logging.wandb.project,
          f"logging.wandb.project: {cfg.logging.wandb.project!r} must be a non-empty name without '/'")
@@ -880,6 +950,32 @@ def _validate_env(cfg: JobConfig, need) -> None:
          f"{r.tool_timeout_s}]; got {sb.wall_s}")
     for key in ("cpu_s", "memory_mb", "processes", "output_bytes"):
         need(getattr(sb, key) >= 1, f"rollout.sandbox.{key} must be >= 1; got {getattr(sb, key)}")
+
+
+def _validate_eval(cfg: JobConfig, need) -> None:
+    e = cfg.eval
+    need(bool(str(e.source).strip()), "eval.source must name held-out prompts (toy:NAME, a file, hf:NAME) or be null")
+    need(e.every >= 0, f"eval.every must be >= 0 (0: only after the last step); got {e.every}")
+    need(e.every <= cfg.trainer.steps, f"eval.every ({e.every}) is beyond trainer.steps ({cfg.trainer.steps}): "
+         "it would never run; lower it, or use eval.every: 0 (after the last step only)")
+    need(e.samples_per_prompt >= 1, f"eval.samples_per_prompt must be >= 1 (the k of pass@k); got {e.samples_per_prompt}")
+    need(e.temperature >= 0, f"eval.temperature must be >= 0 (0: greedy); got {e.temperature}")
+    need(e.temperature > 0 or e.samples_per_prompt == 1,
+         f"eval.samples_per_prompt is {e.samples_per_prompt} but eval.temperature is 0 (greedy): every sample "
+         "would be the same; set eval.temperature > 0 (e.g. 0.6) or eval.samples_per_prompt: 1")
+    need(0 < e.top_p <= 1, f"eval.top_p must be in (0, 1]; got {e.top_p}")
+    need(e.max_new_tokens is None or e.max_new_tokens >= 1, f"eval.max_new_tokens must be >= 1; got {e.max_new_tokens}")
+    need(e.max_new_tokens is None or e.max_new_tokens < cfg.rollout.max_model_len - cfg.data.max_prompt_tokens + 1,
+         f"eval.max_new_tokens ({e.max_new_tokens}) does not fit rollout.max_model_len - data.max_prompt_tokens "
+         f"({cfg.rollout.max_model_len - cfg.data.max_prompt_tokens})")
+    need(e.max_prompts is None or e.max_prompts >= 1, f"eval.max_prompts must be >= 1 or null (all); got {e.max_prompts}")
+    need(e.reward is not None or cfg.reward.function is not None,
+         "eval.reward: this job has no reward.function to score held-out samples with; name a scoring function "
+         "(pkg.module:function, e.g. a strict exact match)")
+    need(e.reward is not None or not e.reward_kwargs,
+         "eval.reward_kwargs are the arguments of eval.reward, which is not set; set eval.reward or remove them")
+    need(cfg.rollout.env is None, "eval: evaluation of multi-turn jobs (rollout.env) is not supported yet; "
+         "remove the eval section or evaluate the exported model with a single-turn job")
 
 
 def _validate_reward(cfg: JobConfig, need) -> None:

@@ -20,6 +20,7 @@ from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
 from .errors import ConfigError, HpcRlError
+from .eval.evaluator import check_held_out, eval_data_config
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
 from .models.lora import check_targets as check_lora_targets
@@ -51,10 +52,14 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         load_reward_fn(cfg.reward.monitor, "reward.monitor")
     if cfg.rollout.env:
         load_reward_fn(cfg.rollout.env, "rollout.env")
+    if cfg.eval.reward:
+        load_reward_fn(cfg.eval.reward, "eval.reward")
     rm = cfg.reward.model
     if rm is not None and rm.path is not None:
         check_reward_model(rm)
     load_rows(cfg.data, cfg.seed)
+    if cfg.eval.enabled:
+        load_rows(eval_data_config(cfg), cfg.seed, "eval")
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if cfg.model.tiny is not None:
@@ -71,10 +76,14 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
             rm.path, rm.tiny = str(run.reward_model_init), None
         elif rm is not None:
             rm.path = str(Path(rm.path).resolve())
-        PromptDataset(cfg.data, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code), cfg.seed)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        train = PromptDataset(cfg.data, tokenizer, cfg.seed)
+        if cfg.eval.enabled:
+            check_held_out(cfg, train, PromptDataset(eval_data_config(cfg), tokenizer, cfg.seed, "eval"))
         check_lora_targets(cfg)
-        if cfg.data.source.endswith((".jsonl", ".json", ".parquet")):
-            cfg.data.source = str(Path(cfg.data.source).resolve())
+        for section in (cfg.data, cfg.eval):
+            if section.source and section.source.endswith((".jsonl", ".json", ".parquet")):
+                section.source = str(Path(section.source).resolve())
         run.job_yaml.write_text(config.dump(cfg))
     except BaseException:
         shutil.rmtree(run.root, ignore_errors=True)

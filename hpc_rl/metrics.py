@@ -17,7 +17,16 @@ STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("monitor_mean", "monitor", "{
              ("turns_per_sample", "turns", "{:.2f}"),
              ("value_loss", "vf_loss", "{:.4f}"), ("entropy", "entropy", "{:.3f}"), ("grad_norm", "grad", "{:.3f}"),
              ("step_seconds", "s/step", "{:.2f}"), ("trainer_wait_seconds", "wait s", "{:.2f}"),
-             ("rollout_idle_seconds", "rollout idle s", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}")]
+             ("rollout_idle_seconds", "rollout idle s", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}"),
+             ("eval/step", "eval of step", "{:.0f}"), ("eval/pass@1", "eval pass@1", "{:.3f}"),
+             ("eval/reward_mean", "eval reward", "{:.3f}")]
+
+
+def metric_step(key: str, step: int, metrics: dict) -> int:
+    """The step a metric is plotted at: eval/ metrics at the step they evaluated (eval/step), the rest at `step`."""
+    if key.startswith("eval/") and "eval/step" in metrics:
+        return int(metrics["eval/step"])
+    return step
 
 
 def idle_seconds(spans: list, t0: float, t1: float) -> float:
@@ -50,7 +59,7 @@ class MetricsWriter:
         self._tracker = tracker
         self._closed = False
         if resume_step is not None and path.exists():
-            self._truncate_after(resume_step)
+            truncate_after(path, resume_step)
         if tracker is not None and resume_step:
             # A tracker may lack steps up to the checkpoint (W&B's buffer dies with a killed rank): it gets the
             # kept rows and logs those it does not hold.
@@ -65,20 +74,6 @@ class MetricsWriter:
             except Exception as e:  # tensorboard not installed: JSONL alone is the record
                 log.debug("TensorBoard disabled: %s", e)
 
-    def _truncate_after(self, step: int) -> None:
-        # Steps after the checkpoint are re-run on resume; keep one row per step.
-        keep = []
-        for line in self.path.read_text(encoding="utf-8").splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut off by a kill
-            if row.get("step", 0) <= step:
-                keep.append(line)
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
-        tmp.replace(self.path)
-
     def write(self, step: int, metrics: dict) -> None:
         row = {"step": step, "time": time.time()}
         row.update({k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()})
@@ -86,8 +81,8 @@ class MetricsWriter:
         self._f.flush()
         if self._tb is not None:
             for k, v in metrics.items():
-                if isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+                if isinstance(v, (int, float)) and math.isfinite(v) and k != "eval/step":
+                    self._tb.add_scalar(k, v, metric_step(k, step, metrics))
             self._tb.flush()
         if self._tracker is not None:
             self._tracker.log(step, row)
@@ -102,6 +97,22 @@ class MetricsWriter:
             self._tb.close()
         if self._tracker is not None:
             self._tracker.close(status)
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Drop the rows of a JSONL file (metrics.jsonl, eval.jsonl) past `step`: a resume re-runs those steps, and a
+    step keeps one row. Rewritten atomically; a line cut off by a kill goes too."""
+    keep = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if row.get("step", 0) <= step:
+            keep.append(line)
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(k + "\n" for k in keep), encoding="utf-8")
+    tmp.replace(path)
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,6 +1,6 @@
 """The run directory: one place on the shared filesystem that every node of a job reads and writes.
 
-Layout (DESIGN.md "Job directory"): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl,
+Layout (DESIGN.md "Job directory"): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl, eval.jsonl, eval/,
 tensorboard/, plots/, checkpoints/step_N/{hf,deepspeed}/ + checkpoints/latest, weights/ (file sync),
 model-init/ (a tiny model built for this run). Also: finding runs and sweeps by name, for every command.
 """
@@ -54,6 +54,15 @@ class RunDir:
     @property
     def metrics(self) -> Path:
         return self.root / "metrics.jsonl"
+
+    @property
+    def eval_log(self) -> Path:
+        """One row per evaluation of a policy version (eval/ metrics, step, policy_version, source)."""
+        return self.root / "eval.jsonl"
+
+    def eval_samples(self, step: int, source: str = "train") -> Path:
+        """Per-sample results of the evaluation of step `step` (prompt_id, prompt, completion, score, truncated)."""
+        return self.root / "eval" / (f"step_{step}.jsonl" if source == "train" else f"step_{step}.{source}.jsonl")
 
     @property
     def tensorboard(self) -> Path:

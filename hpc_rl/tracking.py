@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .config import JobConfig
 from .errors import ConfigError
+from .metrics import metric_step
 from .rundir import RunDir, read_json, write_json_atomic
 
 log = logging.getLogger("hpc_rl")
@@ -226,6 +227,9 @@ class _Wandb:
                              name=self.info.name, id=run_id, resume="allow", mode=w.mode, dir=str(self.run.root),
                              settings=wandb.Settings(console="off", silent=True))
         self.wb.config.update(self.info.config, allow_val_change=True)
+        # eval/ metrics join the row of a later step in async mode: their charts use the step they evaluated.
+        self.wb.define_metric("eval/step")
+        self.wb.define_metric("eval/*", step_metric="eval/step")
         # Online, the server knows the steps of attempts whose files are elsewhere (another node's disk).
         held = max(held, int(self.wb.starting_step or 0) - 1 if self.wb.resumed else 0)
         where = f"RUN/wandb/ (upload: hpc-rl sync {self.run.root})" if w.mode == "offline" else self.wb.url
@@ -331,7 +335,9 @@ class _Mlflow:
         from mlflow.entities import Metric
 
         ms = int(t * 1000)
-        batch = [Metric(k, float(v), ms, step) for k, v in metrics.items()]
+        # MLflow's metric names take no '@': eval/pass@4 is eval/pass_at_4 there.
+        batch = [Metric(k.replace("@", "_at_"), float(v), ms, metric_step(k, step, metrics))
+                 for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
         self.last = step
@@ -428,10 +434,10 @@ class Tracker:
                 png = None
                 try:
                     from .metrics import read_metrics
-                    from .plots import PNG_NAME, plot_curves
+                    from .plots import PNG_NAME, plot_curves, read_evals
 
                     png = plot_curves([(self.run.name, read_metrics(self.run.metrics))], f"Run {self.run.name}",
-                                      self.run.plots / PNG_NAME)
+                                      self.run.plots / PNG_NAME, [read_evals(self.run)])
                 except Exception as e:  # matplotlib missing or broken: the metrics still go
                     log.warning("tracking: no curves PNG (%s: %s)", type(e).__name__, e)
                 self._png.append(png)

@@ -111,10 +111,17 @@ def test_every_sample_comes_from_the_version_it_reports(straight):
     assert checked == 4
 
 
+# The interrupted run also evaluates (the straight one does not): at 0, 2, 4, 6, 8, 2 samples of 6 prompts each.
+EVAL = ["eval.source=toy:repeat_digit", "eval.every=2", "eval.max_prompts=6", "eval.samples_per_prompt=2",
+        "eval.temperature=1.0"]
+
+
 def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straight, tmp_path):
+    """Also: evaluation queued in the pipeline changes no training sample, and the kill and the preemption lose
+    no evaluation and make none twice."""
     _, rows_straight, _ = straight
     log = tmp_path / "a0.log"
-    proc = _start(tmp_path, log)
+    proc = _start(tmp_path, log, *EVAL)
     found = poll("the run dir", lambda: list((tmp_path / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
     poll("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
@@ -125,7 +132,7 @@ def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straigh
         time.sleep(0.2)
 
     log = tmp_path / "a1.log"
-    proc = _start(tmp_path, log, "--resume", str(run.root))
+    proc = _start(tmp_path, log, "--resume", str(run.root), *EVAL)
     poll("step 6", lambda: re.search(rf"step 6/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
     for pid in procs_of(run.root, "hpc_rl.train.main"):  # what Slurm does before a preemption
         os.kill(pid, signal.SIGUSR2)
@@ -136,7 +143,7 @@ def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straigh
     assert re.search(r"resumed from \S+ \(step \d+, 2 batch\(es\) generated ahead\)", text), text[-3000:]
 
     log = tmp_path / "a2.log"
-    proc = _start(tmp_path, log, "--resume", str(run.root))
+    proc = _start(tmp_path, log, "--resume", str(run.root), *EVAL)
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
     assert f"(step {m.group(1)}, " in log.read_text(errors="replace")
     rows = read_metrics(run.metrics)
@@ -148,3 +155,11 @@ def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straigh
         assert a["reward_mean"] == b["reward_mean"], a["step"]
         assert a["policy_lag_max"] == b["policy_lag_max"] == min(a["step"] - 1, N)
     assert json.loads(run.done_file.read_text())["step"] == STEPS
+    evals = read_metrics(run.eval_log)
+    assert [(e["step"], e["policy_version"]) for e in evals] == [(s, s) for s in range(0, STEPS + 1, 2)]
+    assert all(len(read_metrics(run.eval_samples(e["step"]))) == 12 for e in evals)
+    # In async mode an evaluation joins the metrics row of the step at which it finished, naming its own step
+    # (one kept across the kill keeps no row: the rows after the checkpoint are re-run); the last waits for it.
+    assert {r["eval/step"] for r in rows if "eval/step" in r} <= {e["step"] for e in evals}
+    assert all(r["eval/step"] <= r["step"] for r in rows if "eval/step" in r)
+    assert rows[-1]["eval/step"] == STEPS

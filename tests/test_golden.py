@@ -69,6 +69,13 @@ def test_sweep_array_script():
                                                                 spec.name, spec.max_parallel)))
 
 
+def test_eval_array_script():
+    from hpc_rl.cluster.eval_array import render_eval_array
+
+    cfg = config.load(REPO / "jobs" / "toy-grpo-eval-cpu.yaml")
+    _check("sbatch/toy-grpo-eval-cpu-eval-array.sh", _normalized(render_eval_array(cfg, RUN_DIR, 3)))
+
+
 @pytest.mark.parametrize("job", JOBS)
 def test_deepspeed_config(job):
     cfg = config.load(REPO / "jobs" / job)

@@ -21,10 +21,14 @@ COMMON = ("algorithm.kl.coef=0.01", "trainer.lr_schedule=constant", "trainer.che
           "trainer.sync_tolerance=1e-4", "trainer.prompts_per_step=8", "trainer.mini_batch_size=32")
 
 
+# Greedy evaluation of 6 toy prompts at steps 0, 2 and 4: the rollout server serves the adapted policy.
+EVAL = ("eval.source=toy:repeat_digit", "eval.every=2", "eval.max_prompts=6")
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("lora")
-    r = hpc_rl("run", JOB, "trainer.steps=4", "checkpoint.every=2", *COMMON, cwd=cwd)
+    r = hpc_rl("run", JOB, "trainer.steps=4", "checkpoint.every=2", *COMMON, *EVAL, cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return cwd, only_run(cwd), r
 
@@ -82,6 +86,22 @@ def test_both_export_forms_load_without_hpc_rl(lora_run, tmp_path):
     # a full fine-tuning run has no adapter; a non-empty folder is never overwritten
     r = hpc_rl("export", run.name, tmp_path / "merged", cwd=cwd)
     assert r.returncode == 2 and "exists and is not empty" in r.stderr
+
+
+def test_offline_eval_of_a_lora_checkpoint_answers_as_the_run_did(lora_run):
+    """`hpc-rl eval RUN --step 4` of a LoRA run serves the base with the checkpoint's adapters merged in (made for the
+    evaluation, removed after it); greedy, it answers the held-out prompts as the run's server did at step 4 (the
+    server merged the same adapters itself; one answer of six may differ where two tokens tie within rounding)."""
+    cwd, run, _ = lora_run
+    r = hpc_rl("eval", run.name, "--step", "4", cwd=cwd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = read_metrics(run / "eval.jsonl")
+    assert [(e["step"], e["source"]) for e in rows] == [(0, "train"), (2, "train"), (4, "train"), (4, "offline")]
+    online = read_metrics(run / "eval" / "step_4.jsonl")
+    offline = read_metrics(run / "eval" / "step_4.offline.jsonl")
+    assert [x["prompt_id"] for x in online] == [x["prompt_id"] for x in offline]
+    assert sum(a["completion"] == b["completion"] for a, b in zip(online, offline)) >= 5, (online, offline)
+    assert not [p for p in (run / "eval").iterdir() if p.is_dir()]  # the merged folder and the server dir are gone
 
 
 def test_resume_continues_exactly(lora_run, tmp_path_factory):

@@ -1,6 +1,8 @@
 """`hpc-rl run` end to end on this machine: ZeRO-3 over 2 ranks, HF rollout server, weight sync checked
-every step, checkpoints (HF + DeepSpeed), export, resume with the same data order and the same results."""
+every step, checkpoints (HF + DeepSpeed), export, resume with the same data order and the same results; held-out
+evaluation during the run (eval.jsonl, best checkpoint) and offline (`hpc-rl eval`), which changes no training sample."""
 
+import json
 import os
 import stat
 import subprocess
@@ -12,6 +14,7 @@ import torch
 
 from hpc_rl import config
 from hpc_rl.data.sampler import indices_for_step
+from hpc_rl.eval.pass_at_k import pass_at_k
 from hpc_rl.metrics import read_metrics
 from tests.runs import hpc_rl, only_run
 
@@ -20,13 +23,19 @@ TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
 pytestmark = pytest.mark.slow
 
 
+# Evaluation in the short run: 8 of the toy prompts, 2 samples each (pass@1 and pass@2), at steps 0, 2, 4 (and 6
+# after the resume); a sample passes with 2 of its 4 digits right; the best eval/reward_mean keeps its checkpoint.
+EVAL = ["eval.source=toy:repeat_digit", "eval.every=2", "eval.max_prompts=8", "eval.samples_per_prompt=2",
+        "eval.temperature=1.0", "eval.pass_threshold=0.5", "checkpoint.keep_best=eval/reward_mean"]
+
+
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-    """4 steps, checkpoints at 2 and 4, sync check after every push."""
+    """4 steps, checkpoints at 2 and 4, sync check after every push, evaluations at 0, 2 and 4."""
     cwd = tmp_path_factory.mktemp("short")
     # A constant lr: a decay spans trainer.steps, so a 4-step run resumed to 6 would not match a 6-step run.
     r = hpc_rl("run", TOY, "trainer.steps=4", "checkpoint.every=2", "trainer.check_sync_every=1", "trainer.lr_schedule=constant",
-               "trainer.sync_tolerance=1e-4", cwd=cwd)
+               "trainer.sync_tolerance=1e-4", *EVAL, cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return cwd, only_run(cwd), r
 
@@ -38,6 +47,89 @@ def test_one_line_per_step_from_rank_0(short_run):
     for key in ("reward", "kl", "pg_loss", "entropy", "grad", "s/step", "wait s", "rollout idle s", "gen tok/s"):
         assert key in lines[0]
     assert "[rank 1]" not in r.stdout
+
+
+def test_evaluations_at_start_every_and_end_with_per_sample_results(short_run):
+    _, run, r = short_run
+    # The toy eval prompts are training prompts too: said at load, once.
+    assert r.stdout.count("eval.source toy:repeat_digit shares") + r.stderr.count("eval.source toy:repeat_digit shares") == 1
+    rows = read_metrics(run / "eval.jsonl")
+    assert [e["step"] for e in rows] == [0, 2, 4]
+    for e in rows:
+        assert e["policy_version"] == e["step"] and e["source"] == "train" and e["k"] == 2
+        assert (e["temperature"], e["pass_threshold"], e["eval/prompts"]) == (1.0, 0.5, 8)
+        assert set(k for k in e if k.startswith("eval/")) == {
+            "eval/reward_mean", "eval/mean@2", "eval/pass@1", "eval/pass@2", "eval/response_tokens_mean",
+            "eval/truncated_frac", "eval/seconds", "eval/prompts"}
+        # The metrics are recomputed from the per-sample file: 8 prompts x 2 samples, in prompt order.
+        samples = read_metrics(run / "eval" / f"step_{e['step']}.jsonl")
+        assert len(samples) == 16 and set(samples[0]) == {"prompt_id", "prompt", "completion", "score", "truncated"}
+        scores = [x["score"] for x in samples]
+        assert e["eval/reward_mean"] == pytest.approx(sum(scores) / 16)
+        passes = [sum(s >= 0.5 for s in scores[i:i + 2]) for i in range(0, 16, 2)]
+        assert e["eval/pass@1"] == pytest.approx(sum(pass_at_k(2, c, 1) for c in passes) / 8)
+        assert e["eval/pass@2"] == pytest.approx(sum(c > 0 for c in passes) / 8)
+        assert e["eval/truncated_frac"] == pytest.approx(sum(x["truncated"] for x in samples) / 16)
+    # The prompts are a fixed subset: the same at every step.
+    assert len({tuple(x["prompt_id"] for x in read_metrics(run / "eval" / f"step_{s}.jsonl")) for s in (0, 2, 4)}) == 1
+    # The metrics rows of steps 2 and 4 carry them (TensorBoard and the trackers follow), the step line too.
+    m = {x["step"]: x for x in read_metrics(run / "metrics.jsonl")}
+    assert m[2]["eval/step"] == 2 and m[2]["eval/pass@1"] == rows[1]["eval/pass@1"]
+    assert m[1]["eval/step"] == 0 and "eval/step" not in m[3]  # the baseline joins step 1's row
+    assert any("eval pass@1" in ln and " step 4/4 " in ln for ln in r.stdout.splitlines()), r.stdout[-2000:]
+
+
+def test_best_checkpoint_is_kept_and_linked(short_run, tmp_path):
+    cwd, run, _ = short_run
+    rows = read_metrics(run / "eval.jsonl")
+    best = max(rows, key=lambda e: e["eval/reward_mean"])  # the first of equal ones: a later one must be better
+    rec = json.loads((run / "checkpoints" / "best.json").read_text())
+    assert (rec["step"], rec["metric"], rec["mode"]) == (best["step"], "eval/reward_mean", "max")
+    link = run / "checkpoints" / "best"
+    out = tmp_path / "best"
+    r = hpc_rl("export", run.name, out, "--best", cwd=cwd)
+    if best["step"] == 0:  # the initial policy has no checkpoint
+        assert not link.exists() and r.returncode == 2 and "has no checkpoint left" in r.stderr
+    else:
+        assert link.is_symlink() and os.readlink(link) == f"step_{best['step']}"
+        assert r.returncode == 0, r.stderr
+        assert (out / "model.safetensors").read_bytes() == (link / "hf" / "model.safetensors").read_bytes()
+
+
+def test_offline_eval_of_a_checkpoint_equals_the_evaluation_during_training(short_run):
+    """`hpc-rl eval RUN --step 2` starts its own server on the checkpoint: same seeds, same samples, same numbers."""
+    cwd, run, _ = short_run
+    r = hpc_rl("eval", run.name, "--step", "2", cwd=cwd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "step 2: pass@1 " in r.stdout
+    rows = read_metrics(run / "eval.jsonl")
+    online = [e for e in rows if e["step"] == 2 and e["source"] == "train"]
+    offline = [e for e in rows if e["step"] == 2 and e["source"] == "offline"]
+    assert len(online) == len(offline) == 1
+    skip = {"source", "time", "eval/seconds"}
+    assert {k: v for k, v in offline[0].items() if k not in skip} == {k: v for k, v in online[0].items() if k not in skip}
+    assert read_metrics(run / "eval" / "step_2.offline.jsonl") == read_metrics(run / "eval" / "step_2.jsonl")
+    assert not [p for p in (run / "eval").iterdir() if p.is_dir()]  # its scratch server dir is gone
+    bad = hpc_rl("eval", run.name, "--step", "3", cwd=cwd)
+    assert bad.returncode == 2 and "no complete checkpoint for step 3; available steps: 2, 4" in bad.stderr
+    bad = hpc_rl("eval", run.name, "trainer.lr=1", cwd=cwd)
+    assert bad.returncode == 2 and "takes eval.* and rollout.* overrides only" in bad.stderr
+    bad = hpc_rl("eval", run.name, "eval.source=missing.jsonl", cwd=cwd)
+    assert bad.returncode == 2 and "eval.source: missing.jsonl not found" in bad.stderr
+    assert len(read_metrics(run / "eval.jsonl")) == 4  # the bad calls wrote nothing
+
+    # An HF folder with a job spec: its own run dir, evaluated as step 0; here step 4's weights.
+    out = cwd / "folder-evals"
+    r = hpc_rl("eval", run / "checkpoints" / "step_4" / "hf", "--job", TOY, f"output_dir={out}", *EVAL[:-1], cwd=cwd)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (folder_run,) = list(out.iterdir())
+    (row,) = read_metrics(folder_run / "eval.jsonl")
+    (at4,) = [e for e in rows if e["step"] == 4]
+    assert (row["step"], row["source"]) == (0, "offline")
+    # The seeds follow the step evaluated: the same samples need eval_seed of step 4, so only the prompts agree here.
+    got = [x["prompt_id"] for x in read_metrics(folder_run / "eval" / "step_0.offline.jsonl")]
+    assert got == [x["prompt_id"] for x in read_metrics(run / "eval" / "step_4.jsonl")]
+    assert at4["eval/prompts"] == row["eval/prompts"] == 8
 
 
 def test_run_dir_layout_and_permissions(short_run):
@@ -112,6 +204,9 @@ def test_resume_continues_steps_data_order_and_results(short_run, tmp_path_facto
     assert "resumed from" in r.stdout and "step_4" in r.stdout
     resumed = read_metrics(run / "metrics.jsonl")
     assert [x["step"] for x in resumed] == [1, 2, 3, 4, 5, 6]
+    # The evaluation of step 4 is not made again; step 6's is added (besides the offline one of step 2).
+    assert [(e["step"], e["source"]) for e in read_metrics(run / "eval.jsonl")] == [
+        (0, "train"), (2, "train"), (4, "train"), (2, "offline"), (6, "train")]
 
     cwd2 = tmp_path_factory.mktemp("straight")
     r2 = hpc_rl("run", TOY, "trainer.steps=6", "checkpoint.every=0", "trainer.lr_schedule=constant", cwd=cwd2)
@@ -126,6 +221,8 @@ def test_resume_continues_steps_data_order_and_results(short_run, tmp_path_facto
     assert resumed[0]["reward_mean"] == straight[0]["reward_mean"]
     for a, b in zip(resumed[4:], straight[4:]):
         assert a["reward_mean"] == pytest.approx(b["reward_mean"], abs=1e-9)
+    # Evaluation (on in the resumed run, off in the straight one) changes no training sample.
+    assert [a["samples_sha1"] for a in resumed] == [b["samples_sha1"] for b in straight]
 
 
 def huge_reward(prompt, completion, **_):

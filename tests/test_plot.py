@@ -54,6 +54,21 @@ def test_plot_of_a_run_writes_png_into_its_plots_dir(tmp_path):
     assert TAB10[0] in colours and len(colours) > 50  # the curve is drawn, not just axes
 
 
+def test_plot_of_a_run_with_evaluations_adds_the_held_out_panel(tmp_path):
+    run = _run(tmp_path / "runs" / "toy-1", _rows(20, 1.0))
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": s, "source": "train", "eval/pass@1": s / 20} for s in (0, 10, 20)] + [
+        {"step": 20, "source": "offline", "eval/pass@1": 0.9}]))
+    p = _plot(str(run))
+    assert p.returncode == 0, p.stderr
+    img = Image.open(Path(p.stdout.strip()))
+    assert img.size == SIZE
+    assert json.loads(img.text["Description"])["metrics"] == ["reward_mean", "kl", "eval/pass@1"]
+    # The eval panel is the right third: the run's colour is drawn there (its line and the offline cross).
+    right = img.convert("RGB").crop((2 * SIZE[0] // 3 + 60, 60, SIZE[0] - 10, SIZE[1] - 60))
+    assert TAB10[0] in _colours(right)
+
+
 def test_sweep_plot_with_8_runs_keeps_each_run_apart(tmp_path):
     root = tmp_path / "sw-1"
     points = []

@@ -186,9 +186,11 @@ def test_hetjob_layout_runs_each_role_in_its_component(slurm_cluster, tmp_path):
 def test_async_rollouts_across_a_trainer_node_and_a_rollout_node(slurm_cluster, tmp_path):
     """rollout.async_steps=1 on n1 (trainer) + n2 (rollout server): generation runs one step ahead, every
     sample is at most one version old, pushes reach the other node, and a checkpoint keeps the batch
-    generated ahead."""
+    generated ahead. The run evaluates (greedy) at steps 0, 3 and 6 on the rollout node; then `hpc-rl eval --all
+    --submit` evaluates its two checkpoints as a job array, one element per checkpoint, with the same numbers."""
     run = _submit("trainer.nodes=1", "rollout.nodes=1", "rollout.async_steps=1", "trainer.steps=6",
-                  "checkpoint.every=3", out=tmp_path)
+                  "checkpoint.every=3", "eval.source=toy:repeat_digit", "eval.every=3", "eval.max_prompts=6",
+                  out=tmp_path)
     job_id = read_json(run / "slurm.json")["job_id"]
     final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900,
                      f"job {job_id} to end", poll_s=5)
@@ -203,6 +205,25 @@ def test_async_rollouts_across_a_trainer_node_and_a_rollout_node(slurm_cluster, 
     assert "policy_version 5" in (run / "logs" / "rollout-0.log").read_text()
     pending = json.loads((run / "checkpoints" / "step_3" / "pending_batches.json").read_text())
     assert [b["step"] for b in pending] == [3] and set(pending[0]["versions"]) == {2}
+    online = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["source"]) for e in online] == [(0, "train"), (3, "train"), (6, "train")]
+
+    dry = hpc_rl("eval", str(run), "--all", "--submit", "--dry-run")
+    assert "#SBATCH --array=0-1" in dry.stdout and "#SBATCH --nodes=1" in dry.stdout, dry.stdout
+    sub = hpc_rl("eval", str(run), "--all", "--submit", timeout=120)
+    array_id = read_json(run / "eval" / "submissions.json")["submissions"][0]["array_job_id"]
+    assert f"submitted evaluation array {array_id}: 2 checkpoint(s)" in sub.stdout
+    final = wait_for(lambda: (s := slurmq.job_state(array_id)) in slurmq.TERMINAL and s, 600,
+                     f"evaluation array {array_id} to end", poll_s=3)
+    logs = "\n".join(p.read_text() for p in sorted((run / "eval" / "submitit").glob("*_log.*")))
+    assert final == "COMPLETED", logs[-4000:]
+    rows = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    offline = sorted((e for e in rows if e["source"] == "offline"), key=lambda e: e["step"])
+    assert [e["step"] for e in offline] == [3, 6], rows
+    skip = {"source", "time", "eval/seconds"}
+    for e in offline:  # greedy: the checkpoint answers as the policy did during training
+        (same,) = [o for o in online if o["step"] == e["step"]]
+        assert {k: v for k, v in e.items() if k not in skip} == {k: v for k, v in same.items() if k not in skip}
 
 
 @pytest.mark.slow

@@ -39,6 +39,9 @@ def test_last_metrics_reads_the_last_complete_line(tmp_path):
 def test_status_of_local_and_slurm_runs_from_files(tmp_path, capsys):
     done = make_run(tmp_path, "a-done", metrics=[{"step": 1, "reward_mean": 0.1}, {"step": 40, "reward_mean": 0.85}])
     write_json_atomic(done.done_file, {"exit_code": 0})
+    (done.root / "eval.jsonl").write_text(json.dumps({"step": 40, "source": "train", "eval/pass@1": 0.7,
+                                                      "eval/reward_mean": 0.8}) + "\n" + json.dumps(
+        {"step": 20, "source": "offline", "eval/pass@1": 0.65, "eval/reward_mean": 0.75}) + "\n")
     ok = make_run(tmp_path, "b-slurm-ok", slurm={"job_id": UNKNOWN_JOB, "trainer_nodes": 1},
                   metrics=[{"step": 3, "reward_mean": 0.5}])
     (ok.root / "submitit").mkdir()
@@ -60,11 +63,15 @@ def test_status_of_local_and_slurm_runs_from_files(tmp_path, capsys):
         "d-cancelled": ("slurm", "CANCELLED", None, None),
     }
     assert infos["b-slurm-ok"]["job_id"] == UNKNOWN_JOB and infos["b-slurm-ok"]["state_source"] == "files"
+    # The newest evaluation (here one of `hpc-rl eval`, offline); a run without eval.jsonl has none.
+    assert infos["a-done"]["eval"] == {"step": 20, "source": "offline", "pass@1": 0.65, "reward_mean": 0.75}
+    assert infos["b-slurm-ok"]["eval"] is None
 
     assert cli.main(["status", "--runs-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["RUN", "STATE", "JOB", "STEP", "REWARD", "NODES"]
-    assert table[1].split() == ["a-done", "COMPLETED", "local", "40/40", "0.850"]
+    assert table[0].split() == ["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "NODES"]
+    assert table[1].split() == ["a-done", "COMPLETED", "local", "40/40", "0.850", "0.650@20(offline)"]
+    assert table[2].split()[4:6] == ["0.500", "-"]
 
     assert cli.main(["status", "b-slurm", "--runs-dir", str(tmp_path), "--json"]) == 0  # a unique prefix
     assert json.loads(capsys.readouterr().out)["run"] == "b-slurm-ok"

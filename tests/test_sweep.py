@@ -163,9 +163,15 @@ def test_status_from_files_shows_states_rewards_and_failed_log_tail(tmp_path):
                        trainer_log="step 2/4\nerror: reward.function raised RuntimeError: boom\n")]
     (root / "sweep.json").write_text(json.dumps({"name": "kl", "points": pts,
                                                  "submissions": [{"array_job_id": "999990"}]}))
+    # Point 0 evaluated at steps 0, 2, 4 (and once offline, which the table leaves to `hpc-rl eval`'s output).
+    (root / "points" / "00-x" / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
+        {"step": 0, "source": "train", "eval/pass@1": 0.05}, {"step": 2, "source": "train", "eval/pass@1": 0.6},
+        {"step": 4, "source": "offline", "eval/pass@1": 0.9}, {"step": 4, "source": "train", "eval/pass@1": 0.55}]))
     infos = point_infos(root)
     assert [(i["state"], i["step"], i["steps"]) for i in infos] == [("COMPLETED", 4, 4), ("FAILED", 2, 4)]
     assert (infos[0]["reward_last"], infos[0]["reward_best"], infos[0]["kl"]) == (0.45, 0.5, 0.03)
+    assert (infos[0]["eval_pass1_last"], infos[0]["eval_pass1_best"]) == (0.55, 0.6)
+    assert (infos[1]["eval_pass1_last"], infos[1]["eval_pass1_best"]) == (None, None)
     assert infos[0]["log_tail"] == []
     assert "trainer-0.log: error: reward.function raised RuntimeError: boom" in infos[1]["log_tail"]
     assert "999990_1_0_log.err: ClusterError: node 0 exited" in infos[1]["log_tail"]
@@ -174,9 +180,11 @@ def test_status_from_files_shows_states_rewards_and_failed_log_tail(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[1].split() == ["IDX", "OVERRIDES", "STATE", "JOB", "STEP", "REWARD", "BEST", "KL", "RUN", "DIR"]
+    assert lines[1].split() == ["IDX", "OVERRIDES", "STATE", "JOB", "STEP", "REWARD", "BEST", "KL", "EVAL", "P@1",
+                                "BEST", "P@1", "RUN", "DIR"]
     assert lines[2].split() == ["0", "kl.coef=0.0", "seed=1", "COMPLETED", "999990_0", "4/4", "0.450", "0.500",
-                                "0.0300", "points/00-x"]
+                                "0.0300", "0.550", "0.600", "points/00-x"]
+    assert lines[3].split()[-3:-1] == ["-", "-"]
     assert "FAILED" in lines[3] and "point 1 (kl.coef=0.1 seed=1) FAILED; last log lines:" in p.stdout
     j = json.loads(subprocess.run([sys.executable, "-m", "hpc_rl.cli", "sweep", "status", str(root), "--json"],
                                   capture_output=True, text=True, timeout=120).stdout)

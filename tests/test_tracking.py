@@ -83,6 +83,31 @@ def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path, mo
     assert [h["_step"] for h in tracking.wandb_history(dirs[0])] == [1]
 
 
+def test_eval_metrics_reach_the_trackers_at_the_step_they_evaluated(tmp_path, monkeypatch):
+    """An evaluation joins the metrics row of a later step (async rollouts): W&B gets it in that row with eval/step
+    (its charts of eval/* use it as their x axis), MLflow at the evaluated step, with '@' spelled _at_ (MLflow
+    refuses '@' in a metric name)."""
+    from hpc_rl.rundir import RunDir
+
+    monkeypatch.setenv("WANDB_SERVICE", "")
+    run = RunDir(tmp_path / "run")
+    run.ensure_layout()
+    cfg = config.load(TOY, ["logging.wandb.mode=offline", "logging.mlflow.experiment=toy"])
+    run.job_yaml.write_text(config.dump(cfg))
+    t = tracking.Tracker(cfg, run)
+    t.log(1, {"step": 1, "time": 1.0, "reward_mean": 0.1})
+    t.log(2, {"step": 2, "time": 2.0, "reward_mean": 0.2, "eval/step": 1, "eval/pass@1": 0.25, "eval/mean@4": 0.5})
+    t.close("preempted")  # no curves PNG: nothing else in the histories
+    ids = json.loads((run.root / "tracking.json").read_text())
+    (hist,) = [tracking.wandb_history(d) for d in tracking.wandb_run_dirs(run.root, ids["wandb"]["id"])]
+    assert [(h["_step"], h.get("eval/step"), h.get("eval/pass@1")) for h in hist] == [(1, None, None), (2, 1, 0.25)]
+    client = tracking.mlflow_client(ids["mlflow"]["tracking_uri"])
+    runid = ids["mlflow"]["run_id"]
+    assert [(m.step, m.value) for m in client.get_metric_history(runid, "eval/pass_at_1")] == [(1, 0.25)]
+    assert [(m.step, m.value) for m in client.get_metric_history(runid, "eval/mean_at_4")] == [(1, 0.5)]
+    assert [m.step for m in client.get_metric_history(runid, "reward_mean")] == [1, 2]
+
+
 # --------------------------------------------------------------------------- real runs
 
 

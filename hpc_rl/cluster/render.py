@@ -54,8 +54,9 @@ def python_executable() -> str:
     return sys.executable
 
 
-def preamble_lines(cfg: JobConfig, run_dir: str | Path) -> list[str]:
-    """The sbatch preamble (setup lines, env activation, exports) rendered from templates/setup.sh.j2."""
+def preamble_lines(cfg: JobConfig, run_dir: str | Path, clear_rendezvous: bool = True) -> list[str]:
+    """The sbatch preamble (setup lines, env activation, exports) rendered from templates/setup.sh.j2;
+    `clear_rendezvous` false for jobs beside the run's own (an evaluation array must not touch its addresses)."""
     import os
 
     py = Path(python_executable())
@@ -64,11 +65,12 @@ def preamble_lines(cfg: JobConfig, run_dir: str | Path) -> list[str]:
         name=cfg.name, run_dir=str(run_dir), setup=[str(s) for s in cfg.slurm.setup],
         env_bin=str(py.parent), conda_prefix=os.environ.get("CONDA_PREFIX"),
         virtual_env=str(py.parent.parent) if (py.parent.parent / "pyvenv.cfg").is_file() else None,
-        nccl=nccl_env(cfg), env_vars={str(k): str(v) for k, v in cfg.env.vars.items()})
+        nccl=nccl_env(cfg), env_vars={str(k): str(v) for k, v in cfg.env.vars.items()},
+        clear_rendezvous=clear_rendezvous)
     return [line for line in text.splitlines() if line.strip()]
 
 
-def executor_params(cfg: JobConfig, run_dir: str | Path) -> dict:
+def executor_params(cfg: JobConfig, run_dir: str | Path, clear_rendezvous: bool = True) -> dict:
     """submitit SlurmExecutor parameters for the single-job layout (one task per node)."""
     s = cfg.slurm
     params: dict = {
@@ -78,7 +80,7 @@ def executor_params(cfg: JobConfig, run_dir: str | Path) -> dict:
         # submitit's own timeout bookkeeping needs minutes; the script shows the spec's text (below).
         "time": time_minutes(s.time),
         "signal_delay_s": s.signal_delay_s,
-        "setup": preamble_lines(cfg, run_dir),
+        "setup": preamble_lines(cfg, run_dir, clear_rendezvous),
         "srun_args": list(SRUN_ARGS),
     }
     for key in ("partition", "account", "qos", "cpus_per_task", "constraint", "mail_user", "mail_type"):

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import ClusterError, HpcRlError
+from ..metrics import read_metrics
 from ..rundir import RunDir, find, read_json, write_json_atomic
 from . import slurmq
 from .submit import SLURM_JSON
@@ -82,11 +83,15 @@ def run_info(run: RunDir) -> dict:
     except (OSError, yaml.YAMLError):
         spec = {}
     m = last_metrics(run.metrics) or {}
+    evals = read_metrics(run.eval_log)
+    ev = evals[-1] if evals else {}  # the newest evaluation, during training or offline (hpc-rl eval)
     return {
         "run": run.name, "path": str(run.root), "kind": "slurm" if slurm else "local", "job_id": job_id,
         "state": state, "state_source": source, "nodes": slurmq.job_nodes(job_id) if job_id else None,
         "step": m.get("step"), "steps": (spec.get("trainer") or {}).get("steps"),
         "reward_mean": m.get("reward_mean"),
+        "eval": {"step": ev.get("step"), "source": ev.get("source"), "pass@1": ev.get("eval/pass@1"),
+                 "reward_mean": ev.get("eval/reward_mean")} if ev else None,
         # Written by the first node of each attempt (launch._record_attempt): preemptions/time limits survived.
         "requeues": int((read_json(run.root / "attempts.json") or {}).get("requeues", 0)),
     }
@@ -105,7 +110,11 @@ def _fmt(info: dict) -> list[str]:
     reward = info["reward_mean"]
     reward = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
     state = info["state"] + (f" (requeued {info['requeues']}x)" if info.get("requeues") else "")
-    return [info["run"], state, info["job_id"] or "local", step, reward, info["nodes"] or ""]
+    ev = info.get("eval")
+    evs = "-"
+    if ev and isinstance(ev.get("pass@1"), (int, float)):
+        evs = f"{ev['pass@1']:.3f}@{ev['step']}" + ("(offline)" if ev.get("source") == "offline" else "")
+    return [info["run"], state, info["job_id"] or "local", step, reward, evs, info["nodes"] or ""]
 
 
 def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) -> int:
@@ -118,7 +127,7 @@ def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) 
     if not infos:
         print(f"no runs in {runs_dir}/ (start one with `hpc-rl run` or `hpc-rl submit`)")
         return 0
-    rows = [["RUN", "STATE", "JOB", "STEP", "REWARD", "NODES"]] + [_fmt(i) for i in infos]
+    rows = [["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "NODES"]] + [_fmt(i) for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())

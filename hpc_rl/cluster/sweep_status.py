@@ -1,4 +1,5 @@
-"""`hpc-rl sweep status SWEEP`: one row per point (state, step, last/best reward, KL, run dir),
+"""`hpc-rl sweep status SWEEP`: one row per point (state, step, last/best reward, KL, last/best held-out pass@1 of
+eval.jsonl, run dir),
 the last log lines of failed points, `--json` for scripts and `--follow` (rich progress) until all end."""
 
 from __future__ import annotations
@@ -38,8 +39,11 @@ def _curve_stats(run: RunDir) -> dict:
     rows = read_metrics(run.metrics)
     rewards = [r["reward_mean"] for r in rows if isinstance(r.get("reward_mean"), (int, float))]
     last = rows[-1] if rows else {}
+    evals = [r["eval/pass@1"] for r in sorted(read_metrics(run.eval_log), key=lambda r: r["step"])
+             if r.get("source", "train") == "train" and isinstance(r.get("eval/pass@1"), (int, float))]
     return {"step": last.get("step"), "reward_last": rewards[-1] if rewards else None,
-            "reward_best": max(rewards) if rewards else None, "kl": last.get("kl")}
+            "reward_best": max(rewards) if rewards else None, "kl": last.get("kl"),
+            "eval_pass1_last": evals[-1] if evals else None, "eval_pass1_best": max(evals) if evals else None}
 
 
 def point_infos(root: Path, state: dict | None = None) -> list[dict]:
@@ -64,7 +68,7 @@ def _num(v, fmt: str) -> str:
 
 def table_rows(root: Path, infos: list[dict]) -> list[list[str]]:
     """Header + one row per point, as printed."""
-    rows = [["IDX", "OVERRIDES", "STATE", "JOB", "STEP", "REWARD", "BEST", "KL", "RUN DIR"]]
+    rows = [["IDX", "OVERRIDES", "STATE", "JOB", "STEP", "REWARD", "BEST", "KL", "EVAL P@1", "BEST P@1", "RUN DIR"]]
     for i in infos:
         step = "-" if i["step"] is None else f"{i['step']}/{i['steps'] or '?'}"
         try:
@@ -73,7 +77,7 @@ def table_rows(root: Path, infos: list[dict]) -> list[list[str]]:
             rel = i["path"]
         rows.append([str(i["index"]), i["label"], i["state"], i["job_id"] or "-", step,
                      _num(i["reward_last"], "{:.3f}"), _num(i["reward_best"], "{:.3f}"), _num(i["kl"], "{:.4f}"),
-                     rel])
+                     _num(i["eval_pass1_last"], "{:.3f}"), _num(i["eval_pass1_best"], "{:.3f}"), rel])
     return rows
 
 

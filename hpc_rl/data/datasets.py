@@ -13,12 +13,12 @@ from .toy import toy_corpus, toy_rows
 _NESTED_FIELDS = ("reward_model", "extra_info")
 
 
-def _normalize_row(row: dict, idx: int, prompt_key: str, where: str) -> dict:
+def _normalize_row(row: dict, idx: int, prompt_key: str, where: str, section: str = "data") -> dict:
     if not isinstance(row, dict):
         raise DataError(f"{where}: row {idx} is {type(row).__name__}, not an object; each row needs a "
                         f"'{prompt_key}' field")
     if prompt_key not in row:
-        raise DataError(f"{where}: row {idx} has no '{prompt_key}' field; set data.prompt_key to the field that "
+        raise DataError(f"{where}: row {idx} has no '{prompt_key}' field; set {section}.prompt_key to the field that "
                         f"holds the prompt (row has: {', '.join(map(str, row))})")
     prompt = row[prompt_key]
     if isinstance(prompt, list):  # chat messages, as in verl datasets
@@ -68,11 +68,11 @@ def _read_parquet(path: Path) -> list[dict]:
         raise DataError(f"{path}: cannot read parquet ({first_line(e)}); check the file") from None
 
 
-def _read_hf(name: str, split: str) -> list[dict]:
+def _read_hf(name: str, split: str, section: str = "data") -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise DataError("data.source: hf: datasets need the `datasets` package; pip install datasets") from None
+        raise DataError(f"{section}.source: hf: datasets need the `datasets` package; pip install datasets") from None
     try:
         if Path(name).is_dir():
             ds = datasets.load_from_disk(name)
@@ -81,34 +81,35 @@ def _read_hf(name: str, split: str) -> list[dict]:
         else:
             ds = datasets.load_dataset(name, split=split)
     except Exception as e:
-        raise DataError(f"data.source: cannot load HF dataset {name!r} split {split!r} "
-                        f"({first_line(e)}); check the name/folder and data.split") from None
+        raise DataError(f"{section}.source: cannot load HF dataset {name!r} split {split!r} "
+                        f"({first_line(e)}); check the name/folder and {section}.split") from None
     return [dict(r) for r in ds]
 
 
-def load_rows(cfg: DataConfig, seed: int) -> list[dict]:
-    """All prompt rows of the dataset, normalized to have `prompt` (str or chat list) and `id`."""
+def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
+    """All prompt rows of the dataset, normalized to have `prompt` (str or chat list) and `id`; errors name the
+    config section the source comes from (data, or eval for held-out prompts)."""
     src = cfg.source
     if src.startswith("toy:"):
-        raw = toy_rows(src[4:], cfg.toy_size, seed)
+        raw = toy_rows(src[4:], cfg.toy_size, seed, cfg.split, section)
         where = src
     elif src.startswith("hf:"):
-        raw = _read_hf(src[3:], cfg.split)
+        raw = _read_hf(src[3:], cfg.split, section)
         where = src
     else:
         path = Path(src)
         if not path.is_file():
-            raise DataError(f"data.source: {src} not found; give a .jsonl/.parquet file, hf:NAME or toy:NAME")
+            raise DataError(f"{section}.source: {src} not found; give a .jsonl/.parquet file, hf:NAME or toy:NAME")
         if path.suffix == ".jsonl" or path.suffix == ".json":
             raw = _read_jsonl(path)
         elif path.suffix == ".parquet":
             raw = _read_parquet(path)
         else:
-            raise DataError(f"data.source: {src} has suffix {path.suffix!r}; use .jsonl or .parquet")
+            raise DataError(f"{section}.source: {src} has suffix {path.suffix!r}; use .jsonl or .parquet")
         where = src
     if not raw:
         raise DataError(f"{where}: the dataset is empty; it needs at least one prompt row")
-    return [_normalize_row(r, i, cfg.prompt_key, where) for i, r in enumerate(raw)]
+    return [_normalize_row(r, i, cfg.prompt_key, where, section) for i, r in enumerate(raw)]
 
 
 def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
@@ -137,15 +138,15 @@ def render_prompt(row: dict, tokenizer) -> str:
 class PromptDataset:
     """Rows plus their token ids; prompts longer than data.max_prompt_tokens are rejected at load."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, seed: int):
-        self.rows = load_rows(cfg, seed)
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int, section: str = "data"):
+        self.rows = load_rows(cfg, seed, section)
         self.texts = [render_prompt(r, tokenizer) for r in self.rows]
         self.token_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.texts]
         for i, ids in enumerate(self.token_ids):
             if not ids:
-                raise DataError(f"{cfg.source}: row {i} tokenizes to nothing; remove it or fix the prompt")
+                raise DataError(f"{section}.source {cfg.source}: row {i} tokenizes to nothing; remove it or fix the prompt")
             if len(ids) > cfg.max_prompt_tokens:
-                raise DataError(f"{cfg.source}: row {i} has {len(ids)} prompt tokens, more than "
+                raise DataError(f"{section}.source {cfg.source}: row {i} has {len(ids)} prompt tokens, more than "
                                 f"data.max_prompt_tokens={cfg.max_prompt_tokens}; raise it (and "
                                 "rollout.max_model_len) or filter long prompts")
 

@@ -2,6 +2,11 @@
 
 lookup: multi-turn; the prompt `find K` names a key, its digit comes only from the lookup tool (LookupEnv).
 
+copy_pair: the prompt is `copy A B :` and the completion should be `A B`; the reward (hpc_rl.rewards.toy:copy_pair)
+is the fraction of the two digits right. 20 of the 100 digit pairs are held out: the train split never shows them,
+the test split has only them, so a policy that scores on the test split copies digits it was never shown in that
+pair. Chance is about 1/33 per digit, ~0.001 for both.
+
 repeat_digit: the prompt is `copy D :` and the completion should repeat the digit D. The reward
 (hpc_rl.rewards.toy:repeat_digit) is the fraction of the first 4 non-space characters of the
 completion that equal D. A random policy over the ~33-token vocabulary scores about 0.03, so a
@@ -30,6 +35,30 @@ def repeat_digit_corpus() -> list[str]:
     return [f"copy {d} : " + " ".join([d] * 4) for d in "0123456789"] + ["0123456789 :"]
 
 
+def copy_pair_held_out(a: int, b: int) -> bool:
+    """The 20 held-out pairs: 2 per first digit and 2 per second digit (both splits cover every digit in both
+    places), 2 of them doubles (train has doubles too)."""
+    return (a + 2 * b) % 5 == 1
+
+
+def copy_pair_rows(n: int, seed: int, split: str = "train") -> list[dict]:
+    """`n` rows {prompt: `copy A B :`, ground_truth: `A B`, id} of the split's pairs (train: 80 pairs drawn
+    uniformly with a fixed seed; test: each of the 20 held-out pairs once, whatever n)."""
+    test = split == "test"
+    pairs = [(a, b) for a in range(10) for b in range(10) if copy_pair_held_out(a, b) == test]
+    if test:
+        chosen = pairs
+    else:
+        rng = random.Random(seed)
+        chosen = [rng.choice(pairs) for _ in range(n)]
+    return [{"id": i, "prompt": f"copy {a} {b} :", "ground_truth": f"{a} {b}"} for i, (a, b) in enumerate(chosen)]
+
+
+def copy_pair_corpus() -> list[str]:
+    # No line of digits side by side: the tokenizer would learn multi-digit tokens the answers do not use.
+    return [f"copy {a} {b} : {a} {b}" for a in range(10) for b in range(10)]
+
+
 def lookup_rows(n: int, seed: int) -> list[dict]:
     """`n` rows {prompt: `find K`, ground_truth: the digit hidden under key K, id}: the digit is drawn
     independently of the key, so only the lookup tool (hpc_rl.rollout.environments.toy:LookupEnv) reveals it."""
@@ -52,7 +81,10 @@ LOOKUP_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %
 TOY_TASKS = {
     "repeat_digit": (repeat_digit_rows, repeat_digit_corpus),
     "lookup": (lookup_rows, lookup_corpus),
+    "copy_pair": (copy_pair_rows, copy_pair_corpus),
 }
+# Toy tasks with a held-out split: its name -> what `split` values they take.
+TOY_SPLITS = {"copy_pair": ("train", "test")}
 TOY_CHAT_TEMPLATES = {"lookup": LOOKUP_CHAT_TEMPLATE}
 
 
@@ -61,11 +93,16 @@ def toy_chat_template(source: str) -> str | None:
     return TOY_CHAT_TEMPLATES.get(source[4:]) if source.startswith("toy:") else None
 
 
-def toy_rows(name: str, n: int, seed: int) -> list[dict]:
+def toy_rows(name: str, n: int, seed: int, split: str = "train", section: str = "data") -> list[dict]:
+    """The rows of a toy task's split; the tasks without held-out prompts have one split (any name gives it)."""
     if name not in TOY_TASKS:
-        raise DataError(f"data.source: unknown toy task 'toy:{name}'; available: "
+        raise DataError(f"{section}.source: unknown toy task 'toy:{name}'; available: "
                         + ", ".join(f"toy:{k}" for k in TOY_TASKS))
-    return TOY_TASKS[name][0](n, seed)
+    if name not in TOY_SPLITS:
+        return TOY_TASKS[name][0](n, seed)
+    if split not in TOY_SPLITS[name]:
+        raise DataError(f"{section}.split: toy:{name} has the splits {', '.join(TOY_SPLITS[name])}, not {split!r}")
+    return TOY_TASKS[name][0](n, seed, split)
 
 
 def toy_corpus(name: str) -> list[str]:

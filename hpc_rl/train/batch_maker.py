@@ -28,6 +28,16 @@ log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
 
 
+def stop_token_ids(tokenizer, stops: list[str]) -> list[int]:
+    """The token ids that end a response: EOS and every rollout.stop string that is one token."""
+    ids = {tokenizer.eos_token_id}
+    for s in stops:
+        toks = tokenizer(s, add_special_tokens=False)["input_ids"]
+        if len(toks) == 1:
+            ids.add(toks[0])
+    return sorted(ids)
+
+
 class BatchMaker:
     """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
 
@@ -42,7 +52,7 @@ class BatchMaker:
         self.monitor_fn = load_reward_fn(rw.monitor, "reward.monitor") if rw.monitor else None
         self.monitor_cfg = dataclasses.replace(rw, kwargs={}, batched=False)  # reward.kwargs are the function's
         self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
-        self.stop_ids = sorted({tokenizer.eos_token_id, *self._single_token_stops()})
+        self.stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
         self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env else None
 
     def _multi_turn(self, hide: list) -> MultiTurnRollout:
@@ -55,14 +65,6 @@ class BatchMaker:
         env_cls = load_reward_fn(r.env, "rollout.env")
         return MultiTurnRollout(env_cls, dict(r.env_kwargs), self.tokenizer, self.client, limits,
                                 ToolContext(sandbox, list(hide), sb.require_isolation))
-
-    def _single_token_stops(self) -> list[int]:
-        ids = []
-        for s in self.cfg.rollout.stop:
-            toks = self.tokenizer(s, add_special_tokens=False)["input_ids"]
-            if len(toks) == 1:
-                ids.append(toks[0])
-        return ids
 
     def make(self, step: int) -> dict:
         """The batch of `step`: token ids, the engine's log-probs and policy version per sample, the reward parts

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
-from ..rundir import RunDir, fsync_tree, write_json_atomic, write_text_atomic
+from ..rundir import RunDir, fsync_tree, read_json, write_json_atomic, write_text_atomic
 from .distributed import barrier
 
 log = logging.getLogger("hpc_rl")
@@ -148,9 +148,57 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
 
 def _prune(run: RunDir, keep_last: int, latest: Path) -> None:
     steps = sorted((p for p in run.checkpoints.glob("step_*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+    best = best_checkpoint(run)
     for p in steps[:-keep_last]:
-        if p != latest:
+        if p != latest and p != best:
             shutil.rmtree(p, ignore_errors=True)
+
+
+BEST_JSON = "best.json"
+
+
+def best_record(run: RunDir) -> dict | None:
+    """checkpoints/best.json: {"step", "metric", "value", "mode"} of the best evaluation so far (checkpoint.keep_best)."""
+    return read_json(run.checkpoints / BEST_JSON)
+
+
+def best_checkpoint(run: RunDir) -> Path | None:
+    """The checkpoint of the best evaluation, when it was written."""
+    rec = best_record(run)
+    if rec is None:
+        return None
+    path = step_dir(run, int(rec["step"]))
+    return path if path.is_dir() else None
+
+
+def link_best(run: RunDir) -> None:
+    """Point checkpoints/best at the best evaluation's checkpoint (once it exists); atomic (a new link, renamed)."""
+    path = best_checkpoint(run)
+    if path is None:
+        return
+    link = run.checkpoints / "best"
+    if link.is_symlink() and os.readlink(link) == path.name:
+        return
+    tmp = run.checkpoints / ".best.tmp"
+    tmp.unlink(missing_ok=True)
+    os.symlink(path.name, tmp)
+    os.replace(tmp, link)
+
+
+def record_eval(run: RunDir, row: dict, metric: str, mode: str) -> bool:
+    """Keep row's step as the best when its `metric` beats the best so far; True when it does."""
+    value = row.get(metric)
+    if value is None:
+        return False
+    rec = best_record(run)
+    if rec is not None and rec.get("metric") == metric and \
+            not (value > rec["value"] if mode == "max" else value < rec["value"]):
+        return False
+    run.checkpoints.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run.checkpoints / BEST_JSON, {"step": int(row["step"]), "metric": metric, "value": value,
+                                                     "mode": mode})
+    link_best(run)
+    return True
 
 
 def list_checkpoints(run: RunDir) -> list[Path]:

@@ -11,10 +11,21 @@ from ..errors import CheckpointError
 from ..models.lora import PEFT_PREFIX, group_adapters, merged, scaling, unpaired
 from ..models.tiny import atomic_folder
 from ..rundir import find
-from .checkpoint import find_latest, list_checkpoints, step_dir, verify
+from .checkpoint import best_checkpoint, best_record, find_latest, list_checkpoints, step_dir, verify
 
 # What a merged folder takes from the base folder besides its weights (tokenizer files come from the checkpoint).
 _BASE_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")
+
+
+def best_step(rd) -> int:
+    """The step of checkpoints/best; CheckpointError when the run keeps none."""
+    ck = best_checkpoint(rd)
+    if ck is None:
+        rec = best_record(rd)
+        why = (f"the best evaluation (step {rec['step']}) has no checkpoint left" if rec else
+               "the run has no best checkpoint (it needs checkpoint.keep_best: METRIC and an evaluation)")
+        raise CheckpointError(f"{rd.root}: {why}; pick a --step")
+    return int(ck.name[5:])
 
 
 def _checkpoint(rd, step: int | None) -> Path:
@@ -68,10 +79,13 @@ def merge_adapter_folder(adapter_dir: Path, base_dir: Path, out: Path) -> int:
     return done
 
 
-def export_hf(run: str, out: str, step: int | None = None, runs_dir: str = "runs", form: str = "merged") -> int:
-    """`hpc-rl export`: the checkpoint of `step` (latest complete one by default) into `out`: an HF folder, or
-    for a LoRA run the adapters merged into the base (`merged`) or its PEFT adapter folder (`adapter`)."""
+def export_hf(run: str, out: str, step: int | None = None, runs_dir: str = "runs", form: str = "merged",
+              best: bool = False) -> int:
+    """`hpc-rl export`: the checkpoint of `step` (latest complete one by default; `best`: checkpoints/best) into
+    `out`: an HF folder, or for a LoRA run the adapters merged into the base (`merged`) or its PEFT adapter folder."""
     rd = find(run, runs_dir)
+    if best:
+        step = best_step(rd)
     ck = _checkpoint(rd, step)
     src = ck / "hf"
     lora = (src / "adapter_config.json").is_file()

@@ -22,6 +22,7 @@ from ..algos.losses import actor_loss, micro_batch_weight, value_loss
 from ..algos.utils import masked_mean
 from ..config import JobConfig
 from ..errors import HpcRlError, RolloutError, TrainingError
+from ..eval.evaluator import EvalLog, Evaluator
 from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
@@ -183,6 +184,8 @@ class Trainer:
         self.reward_client = None  # the reward nodes' servers (reward.nodes)
         self.maker = None
         self.pipeline = None
+        self.evaluator = None  # eval.source set: the held-out evaluation (rank 0)
+        self._eval_failure = None  # the last evaluation failed after training ended: reported at the very end
         self.metrics = None
         self._resumed: dict = {}  # rank 0: the reward shaper's state and the pending batches of the checkpoint
 
@@ -222,9 +225,17 @@ class Trainer:
         if pending and [b["step"] for b in pending] != list(range(self.step, self.step + len(pending))):
             raise TrainingError(f"the checkpoint of step {self.step} holds batches for steps "
                                 f"{[b['step'] + 1 for b in pending]}, not the ones after it; it is damaged")
+        evaluate = None
+        if cfg.eval.enabled:
+            self.evaluator = Evaluator(cfg, self.tokenizer, self.client, self.run, self.maker.stop_ids)
+            self.evaluator.log = EvalLog(self.run, resume_step=self.step)
+            log.info("eval: %d held-out prompts of %s x %d sample(s), at step 0: %s, every %s steps and at the end",
+                     self.evaluator.prompts, cfg.eval.source, cfg.eval.samples_per_prompt, cfg.eval.at_start,
+                     cfg.eval.every or "-")
+            evaluate = lambda version: self.evaluator.evaluate(version, version)  # noqa: E731 (version = step)
         self.pipeline = RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, self.step,
                                         cfg.trainer.steps, ready=pending[:r.async_steps],
-                                        wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1))
+                                        wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1), evaluate=evaluate)
         tracker = None
         if tracking.enabled(cfg):
             tracker = tracking.Tracker(cfg, self.run)
@@ -433,7 +444,8 @@ class Trainer:
         probe = self._sync_probe(payload) if every and (step + 1) % every == 0 else None
         sync = {}
         if self.dist.is_main:
-            sync = self.pipeline.push(list(sd.items()), self.policy_version, probe)
+            sync = self.pipeline.push(list(sd.items()), self.policy_version, probe,
+                                      evaluate=self.cfg.eval.due(self.policy_version, self.cfg.trainer.steps))
         del sd
         return sync
 
@@ -586,11 +598,16 @@ class Trainer:
         cfg, dist = self.cfg, self.dist
         total = cfg.trainer.steps
         if self.step > 0:
-            # The servers start from the initial weights: give them the resumed policy first.
+            # The servers start from the initial weights: give them the resumed policy first (and evaluate it when
+            # an interruption came between its checkpoint and its evaluation).
             sd = policy_state_dict(self.actor, self.lora)
             if dist.is_main:
-                self.pipeline.push(list(sd.items()), self.policy_version)
+                again = self.cfg.eval.due(self.step, total) and self.step not in self.evaluator.log.steps() \
+                    if self.evaluator is not None else False
+                self.pipeline.push(list(sd.items()), self.policy_version, evaluate=again)
             del sd
+        elif dist.is_main and self.cfg.eval.due(0, total):
+            self.pipeline.evaluate_served()  # the baseline: the initial policy
         while self.step < total:
             step = self.step
             try:
@@ -615,6 +632,7 @@ class Trainer:
                 if nonfinite:
                     log.warning("step %d: non-finite loss or gradient; optimizer step skipped (%d in a row)",
                                 self.step, self.nonfinite_in_a_row)
+                self._add_eval_metrics(m, last=self.step == total)
                 self.metrics.write(self.step, m)
                 if self.step % cfg.logging.every == 0 or self.step == total:
                     log.info(format_step_line(self.step, total, m))
@@ -624,6 +642,8 @@ class Trainer:
                                     "use float32/bfloat16 instead of float16")
             every = cfg.checkpoint.every
             saved = bool(every) and (self.step % every == 0 or self.step == total)
+            # keep_best: every evaluated step has a checkpoint that can become the best one.
+            saved = saved or bool(cfg.checkpoint.keep_best and cfg.eval.due(self.step, total))
             if saved:
                 self.save_checkpoint()
             # Preemption: one rank got the signal; all of them stop here, at the same step boundary.
@@ -643,6 +663,28 @@ class Trainer:
             if not self.preempted:
                 write_json_atomic(self.run.done_file, {"step": self.step, "time": time.time()})
             self.metrics.close("preempted" if self.preempted else "finished")
+            if self._eval_failure is not None:
+                raise TrainingError(f"training finished (checkpoint kept) but the last evaluation failed: "
+                                    f"{self._eval_failure}")
+
+    def _add_eval_metrics(self, m: dict, last: bool) -> None:
+        """Rank 0: the evaluations finished since the last step join this step's metrics (eval/step names the
+        step evaluated: in async mode an earlier one). After the last step it waits for the last evaluation."""
+        if self.evaluator is None:
+            return
+        if last:
+            try:
+                self.pipeline.finish_evals()
+            except HpcRlError as e:  # the other ranks are past the last collective but the checkpoint's
+                log.error("the last evaluation failed: %s", e)
+                self._eval_failure = e
+        ck = self.cfg.checkpoint
+        for row in self.pipeline.eval_rows():
+            m.update({k: v for k, v in row.items() if k.startswith("eval/")})
+            m["eval/step"] = row["step"]
+            if ck.keep_best and checkpoint.record_eval(self.run, row, ck.keep_best, ck.best_mode):
+                log.info("best %s so far: %.4f at step %d (checkpoints/best)", ck.keep_best, row[ck.keep_best],
+                         row["step"])
 
     def save_checkpoint(self) -> None:
         t0 = time.time()
@@ -651,6 +693,7 @@ class Trainer:
             hf_sd = adapter_state_dict(self.actor) if self.lora else gather_state_dict(self.actor)
         pending, shaper = None, None
         if self.dist.is_main:
+            self.pipeline.wait_evals(self.step)  # evaluations of earlier versions are not lost to a kill after it
             # Batches generated ahead (async) belong to the checkpoint; their rewards are shaped when trained on.
             pending = self.pipeline.pending(self.step)
             shaper = self.shaper.state_dict()
@@ -661,3 +704,5 @@ class Trainer:
                                lora=self.cfg.model.lora, base_path=str(self.cfg.model.path))
         if self.dist.is_main:
             log.info("checkpoint %s written in %.1fs", path, time.time() - t0)
+            if self.cfg.checkpoint.keep_best:
+                checkpoint.link_best(self.run)  # its evaluation may have come first (synchronous rollouts)

@@ -1,0 +1,146 @@
+"""Rank 0's held-out evaluation: one policy version generates on the eval prompts through the rollout client (the
+servers that generate training samples, with seeds of their own), the samples are scored, and the results go to
+RUN/eval/step_N.jsonl (one row per sample) and one row of RUN/eval.jsonl (the metrics of pass_at_k.py).
+
+It never runs inside the trainer's step: the rollout pipeline calls it between weight pushes (train/rollout_pipeline.py),
+so the version it evaluates is the one the servers hold, and in async mode the trainer does not wait for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+
+import numpy as np
+
+from ..config import DataConfig, JobConfig
+from ..data.datasets import PromptDataset
+from ..errors import RolloutError
+from ..metrics import read_metrics, truncate_after
+from ..rewards.base import compute_rewards, load_reward_fn
+from ..rollout.engine import SamplingParams
+from ..rundir import RunDir, write_text_atomic
+from .pass_at_k import eval_metrics
+
+log = logging.getLogger("hpc_rl")
+
+# Evaluation seeds sit this far from the training seeds (seed * 1_000_003 + step), so no eval request shares one.
+_EVAL_SEED_OFFSET = 1_000_000_007
+
+
+def eval_seed(seed: int, step: int) -> int:
+    """The sampling seed of the evaluation of `step` (irrelevant when greedy)."""
+    return (seed * 1_000_003 + _EVAL_SEED_OFFSET + step) % (2**31)
+
+
+def eval_data_config(cfg: JobConfig) -> DataConfig:
+    """The held-out prompts as a data section: eval.source, eval.split and eval.prompt_key, data's prompt limit."""
+    e = cfg.eval
+    return dataclasses.replace(cfg.data, source=e.source, split=e.split,
+                               prompt_key=e.prompt_key or cfg.data.prompt_key, shuffle=False)
+
+
+def eval_subset(n: int, max_prompts: int | None, seed: int) -> list[int]:
+    """Indices of the prompts evaluated: all, or a fixed seeded subset of max_prompts (the same at every step)."""
+    if max_prompts is None or max_prompts >= n:
+        return list(range(n))
+    return sorted(int(i) for i in np.random.default_rng([seed, 7]).choice(n, max_prompts, replace=False))
+
+
+def check_held_out(cfg: JobConfig, train: PromptDataset, held_out: PromptDataset) -> int:
+    """Warn when eval prompts are also training prompts (exact duplicates after the chat template); their count."""
+    shared = set(train.texts) & {held_out.texts[i] for i in eval_subset(len(held_out), cfg.eval.max_prompts, cfg.seed)}
+    if shared:
+        log.warning("eval.source %s shares %d prompt(s) with data.source %s, e.g. %r: those are not held out; "
+                    "evaluate on prompts the run does not train on", cfg.eval.source, len(shared), cfg.data.source,
+                    sorted(shared)[0])
+    return len(shared)
+
+
+class EvalLog:
+    """RUN/eval.jsonl: one row per evaluation; a resumed run drops the rows past its checkpoint (re-run after it)."""
+
+    def __init__(self, run: RunDir, resume_step: int | None = None):
+        self.path = run.eval_log
+        if resume_step is not None and self.path.exists():
+            truncate_after(self.path, resume_step)
+        self._lock = threading.Lock()
+
+    def steps(self, source: str = "train") -> set[int]:
+        return {int(r["step"]) for r in read_metrics(self.path) if r.get("source", "train") == source}
+
+    def append(self, row: dict) -> None:
+        with self._lock, open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+
+
+class Evaluator:
+    """Evaluates the version the rollout servers hold on the held-out prompts of `cfg.eval`."""
+
+    def __init__(self, cfg: JobConfig, tokenizer, client, run: RunDir, stop_ids: list[int], source: str = "train"):
+        self.cfg, self.tokenizer, self.client, self.run = cfg, tokenizer, client, run
+        self.stop_ids, self.source = list(stop_ids), source
+        e = cfg.eval
+        self.dataset = PromptDataset(eval_data_config(cfg), tokenizer, cfg.seed, section="eval")
+        self.indices = eval_subset(len(self.dataset), e.max_prompts, cfg.seed)
+        if e.reward:
+            self.reward_cfg = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))
+            self.reward_fn = load_reward_fn(e.reward, "eval.reward")
+        else:
+            self.reward_cfg = cfg.reward
+            self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.log = None  # the EvalLog rows are appended to (set by the owner: the trainer, or `hpc-rl eval`)
+
+    @property
+    def prompts(self) -> int:
+        return len(self.indices)
+
+    def evaluate(self, step: int, version: int, served_version: int | None = None) -> dict:
+        """Generate with policy `version` (which the servers hold as `served_version`: the same during training, 0
+        for a checkpoint loaded offline), score, write eval/step_N.jsonl, append the eval.jsonl row; returns it."""
+        served_version = version if served_version is None else served_version
+        e, t0 = self.cfg.eval, time.time()
+        k = e.samples_per_prompt
+        params = SamplingParams(n=k, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                temperature=e.temperature, top_p=e.top_p, top_k=-1, stop_token_ids=self.stop_ids,
+                                seed=eval_seed(self.cfg.seed, step))
+        ds = self.dataset
+        res = self.client.generate([ds.token_ids[i] for i in self.indices], params, step=step)
+        if set(res.policy_versions) != {served_version}:
+            raise RolloutError(f"evaluation of step {step}: the servers answered with policy version(s) "
+                               f"{sorted(set(res.policy_versions))}, not {served_version}; a server missed a weight "
+                               "update")
+        prompts, completions, rows, lengths, truncated = [], [], [], [], []
+        for i, samples in zip(self.indices, res.outputs):
+            for s in samples:
+                prompts.append(ds.texts[i])
+                completions.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                rows.append(ds.rows[i])
+                lengths.append(len(s.token_ids))
+                truncated.append(s.finish_reason == "length")
+        spec = e.reward or self.cfg.reward.function
+        scores = compute_rewards(self.reward_fn, self.reward_cfg, prompts, completions, rows,
+                                 spec=f"{'eval.reward' if e.reward else 'reward.function'} {spec}").tolist()
+        per_prompt = [scores[j:j + k] for j in range(0, len(scores), k)]
+        metrics = eval_metrics(per_prompt, e.pass_threshold)
+        metrics.update({"eval/response_tokens_mean": float(np.mean(lengths)),
+                        "eval/truncated_frac": float(np.mean(truncated)),
+                        "eval/seconds": time.time() - t0, "eval/prompts": float(len(self.indices))})
+        samples = [{"prompt_id": r.get("id"), "prompt": p, "completion": c, "score": s, "truncated": tr}
+                   for p, c, r, s, tr in zip(prompts, completions, rows, scores, truncated)]
+        path = self.run.eval_samples(step, self.source)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in samples))
+        row = {"step": step, "policy_version": version, "source": self.source, "k": k,
+               "temperature": e.temperature, "pass_threshold": e.pass_threshold, "time": time.time(), **metrics}
+        if self.log is not None:
+            self.log.append(row)
+        # The step line shows it (one line per step); `hpc-rl eval` prints its own line.
+        log.debug("eval of step %d (policy version %d, %d prompts x %d): pass@1 %.3f | reward %.3f | %.1fs",
+                 step, version, len(self.indices), k, metrics["eval/pass@1"], metrics["eval/reward_mean"],
+                 metrics["eval/seconds"])
+        return row

@@ -1,0 +1,194 @@
+"""`hpc-rl eval`: evaluate models already trained, on this machine: one rollout server per checkpoint, started as
+`hpc-rl run` starts them.
+
+`hpc-rl eval RUN [--step N | --all | --best] [eval.* overrides]` evaluates checkpoints of a run with the run's job
+spec (model, reward, eval settings); `hpc-rl eval MODEL_DIR --job JOB.yaml [overrides]` an HF model folder, as step
+0 of a run dir of its own (OUTPUT_DIR/NAME-eval-TIME). Results are appended to the run's eval.jsonl marked
+"source": "offline" (per sample: eval/step_N.offline.jsonl), so `hpc-rl plot` and `hpc-rl status` show them beside
+the evaluations made during training. `hpc-rl eval RUN --submit` (cluster/eval_array.py) runs the same per
+checkpoint as a Slurm job array.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from .. import config, rundir
+from ..config import JobConfig
+from ..errors import CheckpointError, ConfigError
+from ..rundir import RunDir, write_json_atomic
+from .evaluator import EvalLog, Evaluator, eval_data_config
+
+log = logging.getLogger("hpc_rl")
+
+
+def _eval_overrides(overrides: list[str]) -> list[str]:
+    """Of a run's job spec only eval.* and rollout.* may change: the model and reward are the run's."""
+    for o in overrides:
+        key = o.split("=", 1)[0]
+        if not key.startswith(("eval.", "rollout.")):
+            raise ConfigError(f"override {o!r}: `hpc-rl eval` takes eval.* and rollout.* overrides only (the model "
+                              "and the reward are the run's); e.g. eval.samples_per_prompt=4 eval.temperature=0.6")
+    return overrides
+
+
+def _check_inputs(cfg: JobConfig) -> None:
+    """The held-out prompts and the scoring function load, before any server starts or anything is written."""
+    from ..data.datasets import load_rows
+    from ..rewards.base import load_reward_fn
+
+    load_rows(eval_data_config(cfg), cfg.seed, "eval")
+    if cfg.eval.reward:
+        load_reward_fn(cfg.eval.reward, "eval.reward")
+    else:
+        load_reward_fn(cfg.reward.function)
+
+
+def checkpoint_steps(run: RunDir, step: int | None, every: bool, best: bool) -> list[int]:
+    """The checkpoint steps asked for (default: the newest complete one); CheckpointError naming what exists."""
+    from ..train.checkpoint import find_latest, list_checkpoints, verify
+
+    have = [int(p.name[5:]) for p in list_checkpoints(run) if verify(p)]
+    if not have:
+        raise CheckpointError(f"{run.root}: no complete checkpoint to evaluate; set checkpoint.every > 0 and train "
+                              "(or evaluate an HF folder: hpc-rl eval MODEL_DIR --job JOB.yaml)")
+    if best:
+        from ..train.export import best_step
+
+        return [best_step(run)]
+    if every:
+        return have
+    if step is not None:
+        if step not in have:
+            raise CheckpointError(f"{run.root}: no complete checkpoint for step {step}; available steps: "
+                                  f"{', '.join(map(str, have))}")
+        return [step]
+    latest = find_latest(run)
+    return [int(latest.name[5:])] if latest is not None else have[-1:]
+
+
+def model_folder(run: RunDir, cfg: JobConfig, step: int, scratch: Path) -> str:
+    """The HF folder of checkpoint `step` a rollout server can load: its hf/ folder, or for a LoRA run its adapters
+    merged into the base model (written under `scratch`)."""
+    from ..train.checkpoint import step_dir
+
+    hf = step_dir(run, step) / "hf"
+    if not (hf / "config.json").is_file() and not (hf / "adapter_config.json").is_file():
+        raise CheckpointError(f"{step_dir(run, step)}: no hf/ folder (checkpoint.save_hf was false); evaluate a "
+                              "checkpoint written with it, or export one and use hpc-rl eval MODEL_DIR --job JOB")
+    if cfg.model.lora is None:
+        return str(hf)
+    from ..train.export import export_hf
+
+    out = scratch / f"merged-step_{step}"
+    shutil.rmtree(out, ignore_errors=True)  # left by an evaluation that was killed
+    export_hf(str(run.root), str(out), step=step, form="merged")
+    return str(out)
+
+
+def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, source: str = "offline") -> dict:
+    """Start one rollout server on `model_path` (its own scratch run dir under RUN/eval/), evaluate it as `step`,
+    stop it; the row appended to RUN/eval.jsonl."""
+    from ..launch import start_rollout_server, stop_processes
+    from ..models.loading import load_tokenizer
+    from ..rollout.client import RolloutClient
+    from ..train.batch_maker import stop_token_ids
+
+    scratch = RunDir(run.root / "eval" / f"server-step_{step}-{os.getpid()}")
+    shutil.rmtree(scratch.root, ignore_errors=True)
+    scratch.root.mkdir(parents=True, mode=0o700)
+    served = config.load_dict(config.to_dict(cfg))
+    served.model.path, served.model.lora, served.rollout.port = model_path, None, 0
+    served.rollout.local_devices = served.rollout.local_devices[:served.rollout.tensor_parallel]
+    fd = os.open(scratch.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    scratch.ensure_layout()
+    scratch.job_yaml.write_text(config.dump(served))
+    proc = start_rollout_server(scratch, served, 0, served.rollout.local_devices or None,
+                                list(served.rollout.local_cpus) or None)
+    client = None
+    try:
+        client = RolloutClient.from_run_dir(scratch, served)
+        client.wait_ready(1, served.rollout.startup_timeout_s)
+        tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
+        evaluator = Evaluator(served, tokenizer, client, run, stop_token_ids(tokenizer, cfg.rollout.stop),
+                              source=source)
+        evaluator.log = EvalLog(run)
+        row = evaluator.evaluate(step, step, served_version=0)
+    except BaseException:
+        log.error("the evaluation server's log: %s", scratch.logs / "rollout-0.log")
+        raise
+    finally:
+        if client is not None:
+            client.close()
+        write_json_atomic(scratch.done_file, {"time": time.time()})
+        stop_processes([proc])
+    shutil.rmtree(scratch.root, ignore_errors=True)
+    return row
+
+
+def evaluate_checkpoint(run: RunDir, cfg: JobConfig, step: int) -> dict:
+    """Evaluate checkpoint `step` of the run (one array element of `hpc-rl eval --submit` runs exactly this)."""
+    scratch = run.root / "eval"
+    scratch.mkdir(exist_ok=True)
+    folder = model_folder(run, cfg, step, scratch)
+    try:
+        return evaluate_model(run, cfg, folder, step)
+    finally:
+        if Path(folder).parent == scratch:  # a LoRA run's merged weights: made for this evaluation only
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def resolve_run(target: str, step: int | None, every: bool, best: bool, overrides: list[str],
+                runs_dir: str = "runs") -> tuple[RunDir, JobConfig, list[int]]:
+    """The run, its job spec with the eval overrides, and the checkpoint steps to evaluate; inputs checked."""
+    run = rundir.find(target, runs_dir)
+    cfg = config.load(run.job_yaml, _eval_overrides(overrides))
+    if not cfg.eval.enabled:
+        raise ConfigError(f"{run.root}: the run's job has no eval.source; give one, e.g. hpc-rl eval {target} "
+                          "eval.source=toy:copy_pair")
+    _check_inputs(cfg)
+    return run, cfg, checkpoint_steps(run, step, every, best)
+
+
+def eval_cli(target: str, step: int | None = None, every: bool = False, best: bool = False, job: str | None = None,
+             overrides: list[str] | None = None, runs_dir: str = "runs") -> int:
+    """`hpc-rl eval RUN|MODEL_DIR ...` on this machine: evaluate and print one line per evaluated step."""
+    from ..logs import setup_logging
+
+    setup_logging(0)
+    overrides = list(overrides or [])
+    path = Path(target)
+    if job is not None or ((path / "config.json").is_file() and not (path / "job.yaml").is_file()):
+        if job is None:
+            raise ConfigError(f"{target} is an HF model folder: give the job spec whose eval section and reward to "
+                              "use, hpc-rl eval MODEL_DIR --job JOB.yaml")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{target}: not an HF model folder (no config.json); pass a folder from hpc-rl "
+                              "export or a checkpoint's hf/ folder")
+        cfg = config.load(job, overrides)
+        if not cfg.eval.enabled:
+            raise ConfigError(f"{job}: eval.source is not set; give the held-out prompts (eval.source=...)")
+        _check_inputs(cfg)
+        cfg.model.path, cfg.model.tiny, cfg.model.lora = str(path.resolve()), None, None
+        run = rundir.create(cfg.output_dir, f"{cfg.name}-eval")
+        run.job_yaml.write_text(config.dump(cfg))
+        log.info("evaluating %s in %s", path, run.root)
+        print(_line(evaluate_model(run, cfg, cfg.model.path, 0)))
+        return 0
+    run, cfg, steps = resolve_run(target, step, every, best, overrides, runs_dir)
+    for s in steps:
+        print(_line(evaluate_checkpoint(run, cfg, s)))
+    return 0
+
+
+def _line(row: dict) -> str:
+    ks = sorted((k for k in row if k.startswith("eval/pass@")), key=lambda k: int(k.rsplit("@", 1)[1]))
+    return (f"step {row['step']}: " + " | ".join(f"{k[5:]} {row[k]:.3f}" for k in ks)
+            + f" | reward {row['eval/reward_mean']:.3f} | {int(row['eval/prompts'])} prompts x {row['k']}")
