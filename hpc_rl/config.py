@@ -652,13 +652,18 @@ class JobConfig:
         return max(1, self.rollout.nodes) * self.rollout.servers_per_node
 
 
-def eval_metric_names(k: int) -> list[str]:
-    """The eval/ metrics an evaluation with k samples per prompt reports (eval/pass_at_k.py computes them)."""
+def pass_k_values(k: int) -> list[int]:
+    """The k' of the pass@k' an evaluation with k samples per prompt reports: 1, 2, 4, ... below k, and k."""
     ks, j = [], 1
     while j < k:
         ks.append(j)
         j *= 2
-    return (["eval/reward_mean", f"eval/mean@{k}"] + [f"eval/pass@{j}" for j in ks + [k]]
+    return ks + [k]
+
+
+def eval_metric_names(k: int) -> list[str]:
+    """The eval/ metrics an evaluation with k samples per prompt reports (eval/pass_at_k.py computes them)."""
+    return (["eval/reward_mean", f"eval/mean@{k}"] + [f"eval/pass@{j}" for j in pass_k_values(k)]
             + ["eval/response_tokens_mean", "eval/truncated_frac"])
 
 

@@ -202,11 +202,16 @@ def create(output_dir: str | Path, name: str) -> RunDir:
     """A new `OUTPUT/NAME-YYYYmmdd-HHMMSS` (0700) with a fresh token (0600)."""
     root = new_stamped_dir(output_dir, name)
     run = RunDir(root)
+    write_new_token(run)
+    run.ensure_layout()
+    return run
+
+
+def write_new_token(run: RunDir) -> None:
+    """A fresh secret in RUN/token (0600, never over an existing one): what every server request must carry."""
     fd = os.open(run.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
-    run.ensure_layout()
-    return run
 
 
 def find(run: str | Path, runs_dir: str | Path = "runs") -> RunDir:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 from .. import config, rundir
 from ..config import JobConfig
 from ..errors import CheckpointError, ConfigError
-from ..rundir import RunDir, write_json_atomic
+from ..rundir import RunDir, write_json_atomic, write_new_token
 from .evaluator import EvalLog, Evaluator, eval_data_config
 
 log = logging.getLogger("hpc_rl")
@@ -105,9 +104,7 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
     served = config.load_dict(config.to_dict(cfg))
     served.model.path, served.model.lora, served.rollout.port = model_path, None, 0
     served.rollout.local_devices = served.rollout.local_devices[:served.rollout.tensor_parallel]
-    fd = os.open(scratch.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
+    write_new_token(scratch)
     scratch.ensure_layout()
     scratch.job_yaml.write_text(config.dump(served))
     proc = start_rollout_server(scratch, served, 0, served.rollout.local_devices or None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import eval_metric_names
+from ..config import pass_k_values
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -23,8 +23,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def k_values(n: int) -> list[int]:
-    """The k reported for n samples per prompt: 1, 2, 4, ... up to n, and n itself."""
-    return [int(name.rsplit("@", 1)[1]) for name in eval_metric_names(n) if name.startswith("eval/pass@")]
+    """The k reported for n samples per prompt: 1, 2, 4, ... up to n, and n itself (config.pass_k_values: the
+    config validates checkpoint.keep_best against the same names)."""
+    return pass_k_values(n)
 
 
 def eval_metrics(scores: list[list[float]], threshold: float) -> dict:
