@@ -17,7 +17,8 @@ usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no
   --no-vllm           skip vLLM (rollouts then use the HF engine)
   --tracking          also install the tracking extra (wandb, mlflow-skinny) for logging.wandb / logging.mlflow
   --test-extras       also install the test/data/plot/bench/tracking extras (pytest, hypothesis, pyarrow, trl, ...)
-  --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster
+  --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster, and python3 (the
+                      sandbox tests run as an unprivileged user, who cannot execute a venv under /root)
                       (CI/dev machines only: needs root and apt-get; skipped otherwise)
   --python PY         interpreter for the venv (default: python3; >= 3.10)
   --dry-run           print the plan (env kind, every command) and run nothing
@@ -323,15 +324,15 @@ fi
 
 # ------------------------------------------------------------------ test cluster packages (CI/dev only)
 if [ "$TEST_CLUSTER" = 1 ]; then
-    CUR_STEP=tc CUR_FIX="run 'apt-get install -y slurm-wlm munge iproute2' as root and look at its error"
-    say "[+] test cluster packages: slurm-wlm munge iproute2 (CI/dev machines only)"
+    CUR_STEP=tc CUR_FIX="run 'apt-get install -y slurm-wlm munge iproute2 python3' as root and look at its error"
+    say "[+] test cluster packages: slurm-wlm munge iproute2 python3 (CI/dev machines only)"
     if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
         result "skipped: needs root and apt-get (this is for CI/dev machines; real clusters have Slurm)"
-    elif dpkg -s slurm-wlm munge iproute2 >/dev/null 2>&1; then
+    elif dpkg -s slurm-wlm munge iproute2 python3 >/dev/null 2>&1; then
         result "already installed; skipped"
     else
         run apt-get update
-        run env DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge iproute2
+        run env DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge iproute2 python3
     fi
 fi
 

@@ -28,8 +28,9 @@ class EchoEnv(Environment):
 
 
 # Model-written code that must end as a one-line observation, harming nothing outside the sandbox. {token},
-# {home}, {outside}, {pid}, {addr} and {port} are filled in by HostileEnv: the run's token file, the user's home, a
-# path outside the sandbox, the trainer's pid, the rollout server's address and port.
+# {home}, {outside}, {pid}, {addr}, {port}, {sockets} and {fifo} are filled in by HostileEnv: the run's token file,
+# the user's home, a path outside the sandbox, the trainer's pid, the rollout server's address and port, path UNIX
+# sockets listening outside and a FIFO outside with a reader.
 HOSTILE = {
     "fork_bomb": "import os\nwhile True:\n    os.fork()",
     "infinite_loop": "while True:\n    pass",
@@ -41,7 +42,14 @@ HOSTILE = {
     "socket_loopback": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')",
     "socket_server": "import socket\nsocket.create_connection(({addr!r}, {port}), timeout=2)\nprint('connected')",
     "kill_parent": "import os, signal\nos.kill({pid}, signal.SIGKILL)\nos.kill(os.getppid(), signal.SIGKILL)\nprint('alive')",
-    "ctypes": "import ctypes\nprint(ctypes.CDLL(None).getpid())",
+    "ctypes": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+               "r = [libc.umount2(b'/proc', 2), libc.unshare(0x10000000), libc.mount(b'x', b'/tmp', b'tmpfs', 0, None)]\n"
+               "raise SystemExit('refused: ' + ' '.join(str(-x) for x in r))"),
+    "unix_sockets": ("import socket\nerrs = []\nfor p in {sockets!r}:\n    try:\n"
+                     "        socket.socket(socket.AF_UNIX).connect(p)\n        print('connected', p)\n"
+                     "    except OSError as e:\n        errs.append(type(e).__name__)\n"
+                     "raise SystemExit('unreachable: ' + ' '.join(errs))"),
+    "fifo": "import os\nfd = os.open({fifo!r}, os.O_WRONLY | os.O_NONBLOCK)\nos.write(fd, b'x')\nprint('wrote')",
 }
 HOSTILE_NAMES = sorted(HOSTILE)
 _next_case = itertools.count()
@@ -51,8 +59,8 @@ class HostileEnv(Environment):
     """Each trajectory runs the next case of HOSTILE through the python tool, whatever the model said, and gets its
     output as the observation; the case and the observation are appended to `log` (JSON lines) for the test."""
 
-    def __init__(self, log: str, outside: str):
-        self.log, self.outside = log, outside
+    def __init__(self, log: str, outside: str, sockets: list | None = None, fifo: str = "/nonexistent"):
+        self.log, self.outside, self.sockets, self.fifo = log, outside, sockets or [], fifo
 
     def reset(self, row):
         self.case = HOSTILE_NAMES[next(_next_case) % len(HOSTILE_NAMES)]
@@ -66,7 +74,8 @@ class HostileEnv(Environment):
         run_dir = self.context.hide[0]
         url = urlsplit(json.loads((Path(run_dir) / "rendezvous" / "rollout-0.json").read_text())["url"])
         code = HOSTILE[self.case].format(token=os.path.join(run_dir, "token"), home=os.path.expanduser("~"),
-                                         outside=self.outside, pid=os.getpid(), addr=url.hostname, port=url.port)
+                                         outside=self.outside, pid=os.getpid(), addr=url.hostname, port=url.port,
+                                         sockets=self.sockets, fifo=self.fifo)
         out = python_tool({"code": code}, self.context)
         with open(self.log, "a") as f:
             f.write(json.dumps({"case": self.case, "observation": out}) + "\n")

@@ -125,12 +125,25 @@ Ctx._probe_resolve = _probe_resolve
 
 @check("sandbox")
 def check_sandbox(ctx: Ctx) -> Result:
-    """The python tool's sandbox (multi-turn rollouts) needs user namespaces to isolate model-written code."""
-    from ..rollout.environments.sandbox import namespaces_available
+    """The python tool's sandbox (multi-turn rollouts): which of its layers are active here, and one real call."""
+    from ..rollout.environments.sandbox import SandboxLimits, layers, namespaces_available, run_python
 
+    active = layers()
+    summary = "; ".join(f"{name}: {'yes' if on else 'no'} ({detail})" for name, on, detail in active)
     why = namespaces_available()
-    if why is None:
-        return Result("sandbox", OK, "model-written code can run isolated (user, network, PID and mount namespaces)")
-    return Result("sandbox", WARN, f"model-written code cannot be isolated: {why}",
-                  "only jobs with the python tool need it: ask the admins for unprivileged user namespaces "
-                  "(sysctl user.max_user_namespaces > 0), or set rollout.sandbox.require_isolation: false (rlimits only)")
+    if why is not None:
+        return Result("sandbox", WARN, f"model-written code cannot be isolated: {why}; layers: {summary}",
+                      "only jobs with the python tool need it: ask the admins for unprivileged user namespaces "
+                      "(sysctl user.max_user_namespaces > 0), or set rollout.sandbox.require_isolation: false "
+                      "(rlimits and the seccomp filter only)")
+    r = run_python("print(6 * 7)", SandboxLimits(wall_s=30))
+    if not r.ok or r.output.strip() != "42":
+        return Result("sandbox", FAIL, f"a sandboxed call failed ({r.killed or r.exit_code}: "
+                      f"{r.output.strip()[-200:]}); layers: {summary}",
+                      "run with HPC_RL_DEBUG=1 and report the message; rollout.sandbox.require_isolation: false "
+                      "runs model code with rlimits and the seccomp filter only")
+    missing = [name for name, on, _ in active if not on]
+    status = WARN if "IPC seal" in missing else OK
+    return Result("sandbox", status, f"the first call (with the sandbox's start) took {r.seconds * 1000:.0f} ms; "
+                  f"layers: {summary}",
+                  "the IPC seal needs seccomp on x86_64 or aarch64" if status == WARN else "")

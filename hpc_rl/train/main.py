@@ -66,6 +66,9 @@ def exit_now(code: int) -> None:
     the run's files are closed (each run and each requeue waits for it)."""
     import logging
 
+    sandbox = sys.modules.get("hpc_rl.rollout.environments.sandbox")
+    if sandbox is not None:  # atexit does not run: the python tool's sandbox processes and cgroups go here
+        sandbox.close_all()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -109,7 +109,7 @@ def python_tool(arguments: dict, context: ToolContext) -> str:
         return error(f"python: wall time limit of {lim.wall_s:g}s exceeded")
     if r.killed == "output limit":
         return error(f"python: output exceeded {lim.output_bytes} bytes")
-    if r.killed == "sandbox setup":
+    if r.killed == "sandbox setup":  # the machine's fault, not the model's: the reason is logged once per start
         return error("python: the sandbox could not be set up")
     if r.exit_code == 124 and "CPU time limit exceeded" in r.output:
         return error(f"python: CPU time limit of {lim.cpu_s}s exceeded")
