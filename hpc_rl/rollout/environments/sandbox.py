@@ -408,7 +408,7 @@ class Sandbox:
             for _ in range(2):
                 try:
                     return self._run_once(code, limits, t0)
-                except (BrokenPipeError, ConnectionError) as e:  # the sandbox process died: a new one, once
+                except OSError as e:  # the sandbox process died (a broken socket or pipe): a new one, once
                     log.warning("the sandbox process died (%s); restarting it", e)
                     with self._lock:
                         self._stop()

@@ -374,55 +374,75 @@ def _call(request_fd: int, out_fd: int, uid: int) -> None:
 
 def serve(sock: socket.socket, uid: int) -> None:
     own_pid_ns = os.open("/proc/self/ns/pid", os.O_RDONLY)
+    # Calls are reaped on SIGCHLD through a wakeup pipe (pidfds would need Linux 5.3; RHEL 8 clusters run 4.18).
+    wake_r, wake_w = os.pipe()
+    for fd in (wake_r, wake_w):
+        os.set_blocking(fd, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
     sel = selectors.DefaultSelector()
-    sel.register(sock, selectors.EVENT_READ, None)
+    sel.register(sock, selectors.EVENT_READ, "request")
+    sel.register(wake_r, selectors.EVENT_READ, "reap")
     calls: dict[str, tuple[int, int]] = {}  # call id -> (pid, status fd)
-    by_pidfd: dict[int, str] = {}
+    by_pid: dict[int, str] = {}
     while True:
         for key, _ in sel.select():
-            if key.data is None:
-                msg, fds, _, _ = socket.recv_fds(sock, 4096, 3)
-                if not msg:  # the parent is gone: so are its calls (they die with this PID namespace)
-                    return
-                kind, call_id = msg[:1], msg[1:].decode()
-                if kind == b"K":
-                    if call_id in calls:
-                        try:
-                            os.kill(calls[call_id][0], signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-                    continue
-                request_fd, out_fd, status_fd = fds
-                try:
-                    unshare(CLONE_NEWPID)
-                    pid = os.fork()
-                except OSError as e:  # a limit of the sandbox itself (its pids cgroup, memory): the parent replaces it
-                    pid, failure = None, e
-                if pid == 0:
-                    _call(request_fd, out_fd, uid)
-                setns(own_pid_ns, CLONE_NEWPID)  # the next fork starts a fresh namespace again
-                for fd in (request_fd, out_fd):
-                    os.close(fd)
-                if pid is None:
-                    os.write(status_fd, f"E{failure}".encode()[:500])
-                    os.close(status_fd)
-                    continue
-                pidfd = os.pidfd_open(pid)
-                calls[call_id] = (pid, status_fd)
-                by_pidfd[pidfd] = call_id
-                sel.register(pidfd, selectors.EVENT_READ, "call")
-            else:
-                pidfd = key.fd
-                call_id = by_pidfd.pop(pidfd)
-                sel.unregister(pidfd)
-                os.close(pidfd)
-                pid, status_fd = calls.pop(call_id)
-                _, status = os.waitpid(pid, 0)
-                try:
-                    os.write(status_fd, str(status).encode())
-                except OSError:  # the parent stopped waiting for this call
+            if key.data == "reap":
+                while os.read(wake_r, 4096) == 4096:
                     pass
+                _reap(calls, by_pid)
+                continue
+            msg, fds, _, _ = socket.recv_fds(sock, 4096, 3)
+            if not msg:  # the parent is gone: so are its calls (they die with this PID namespace)
+                return
+            kind, call_id = msg[:1], msg[1:].decode()
+            if kind == b"K":
+                if call_id in calls:
+                    try:
+                        os.kill(calls[call_id][0], signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                continue
+            request_fd, out_fd, status_fd = fds
+            try:
+                unshare(CLONE_NEWPID)
+                pid = os.fork()
+            except OSError as e:  # a limit of the sandbox itself (its pids cgroup, memory): the parent replaces it
+                pid, failure = None, e
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                _call(request_fd, out_fd, uid)
+            setns(own_pid_ns, CLONE_NEWPID)  # the next fork starts a fresh namespace again
+            for fd in (request_fd, out_fd):
+                os.close(fd)
+            if pid is None:
+                os.write(status_fd, f"E{failure}".encode()[:500])
                 os.close(status_fd)
+                continue
+            calls[call_id] = (pid, status_fd)
+            by_pid[pid] = call_id
+            _reap(calls, by_pid)  # one that ended before it was registered
+
+
+def _reap(calls: dict, by_pid: dict) -> None:
+    """Write the wait status of every call that has ended to its status pipe."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        call_id = by_pid.pop(pid, None)
+        if call_id is None:
+            continue
+        _, status_fd = calls.pop(call_id)
+        try:
+            os.write(status_fd, str(status).encode())
+        except OSError:  # the parent stopped waiting for this call
+            pass
+        os.close(status_fd)
 
 
 def zygote_main(argv: list[str]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,11 +115,24 @@ def python_tool(arguments: dict, context: ToolContext) -> str:
     if r.exit_code == 124 and "CPU time limit exceeded" in r.output:
         return error(f"python: CPU time limit of {lim.cpu_s}s exceeded")
     if r.exit_code != 0:
-        lines = [x for x in r.output.strip().splitlines() if x.strip()]
+        lines = [x.strip() for x in r.output.strip().splitlines() if x.strip()]
         if r.exit_code is not None and r.exit_code < 0:
             return error(f"python: killed by signal {-r.exit_code}" + (f" ({lines[-1]})" if lines else ""))
-        return error(f"python: {lines[-1] if lines else f'exit code {r.exit_code}'}")
+        return error(f"python: {_error_line(lines) if lines else f'exit code {r.exit_code}'}")
     return r.output.strip() or "(no output; print the result)"
+
+
+# An exception's last line ("BlockingIOError: [Errno 11] ...", "KeyboardInterrupt").
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Warning)(:|$)")
+
+
+def _error_line(lines: list[str]) -> str:
+    """The line that says what went wrong: the last exception line (the processes of a call may interleave their
+    tracebacks, so the output's last line can be another traceback's start), else the last line."""
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line):
+            return line
+    return lines[-1]
 
 
 # --------------------------------------------------------------------------- registry
