@@ -63,9 +63,16 @@ def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path, mo
 
     monkeypatch.setenv("WANDB_SERVICE", "")  # wandb names its service here; restored (unset) after the test
 
+    started = 0
     for steps in ([1, 2, 3], [4, 5]):
+        # W&B names an attempt's folder by the second it started in: two attempts in one second share a folder and
+        # the second one's records are lost. Real attempts are a requeue apart; here the second waits for the next
+        # second.
+        while int(time.time()) <= started:
+            time.sleep(0.05)
         run = wandb.init(project="p", id="abc12345", resume="allow", mode="offline", dir=str(tmp_path), group="g",
                          config={"algorithm": {"name": "grpo"}}, settings=wandb.Settings(console="off", silent=True))
+        started = int(time.time())
         for s in steps:
             run.log({"reward_mean": s / 10, "long": "x" * 70_000 if s == 2 else 0.0}, step=s)  # spans 3 blocks
         run.finish()
