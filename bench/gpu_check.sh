@@ -77,8 +77,8 @@ import json, sys, time
 sys.path.insert(0, ".")
 import torch
 from hpc_rl.config import load_dict
-from hpc_rl.rollout.engine import SamplingParams
-from hpc_rl.rollout.engine_hf import HFEngine
+from hpc_rl.rollout.wire.sampling import SamplingParams
+from hpc_rl.rollout.server.engine_hf import HFEngine
 work = sys.argv[1]
 cfg = load_dict({"model": {"path": work + "/model"}, "rollout": {"engine": "hf", "dtype": "bfloat16"}})
 eng = HFEngine(cfg, "cuda")

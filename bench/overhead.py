@@ -54,7 +54,7 @@ def bare_generate(run_dir: Path, rows: list[dict], reps: int) -> dict:
     tok = load_tokenizer(cfg.model.path)
     ds = PromptDataset(cfg.data, tok, cfg.seed)
     by_id = {int(r["id"]): i for i, r in enumerate(ds.rows)}
-    from hpc_rl.rollout.engine_vllm import kv_cache_bytes
+    from hpc_rl.rollout.server.engine_vllm import kv_cache_bytes
 
     r = cfg.rollout
     dtype = r.dtype if r.dtype != "auto" else cfg.model.dtype

@@ -64,8 +64,8 @@ def bench_generate(cfg, path: str, ps, max_new: int, reps: int) -> tuple[dict, o
     from vllm import LLM
     from vllm import SamplingParams as VSP
 
-    from hpc_rl.rollout.engine import SamplingParams
-    from hpc_rl.rollout.engine_vllm import VLLMEngine
+    from hpc_rl.rollout.server.engine_vllm import VLLMEngine
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     eng = VLLMEngine(cfg, "cpu")
     r = cfg.rollout
@@ -128,9 +128,9 @@ def bench_collective(eng, named) -> dict:
     """Collective sync through the real server routes (in this process) around the engine."""
     import threading
 
-    from hpc_rl.rollout.collective_sender import CollectiveSender
-    from hpc_rl.rollout.collective_server import register_server_routes
-    from hpc_rl.rollout.server import RolloutService, make_http_server
+    from hpc_rl.rollout.client.collective_sender import CollectiveSender
+    from hpc_rl.rollout.server.collective_receiver import register_server_routes
+    from hpc_rl.rollout.server.service import RolloutService, make_http_server
     from hpc_rl.rundir import RunDir
 
     service = RolloutService(eng, RunDir(Path(tempfile.mkdtemp(prefix="bench-run-"))), eng.path, 256, None)
@@ -155,7 +155,7 @@ def bench_collective(eng, named) -> dict:
 
 
 def _raw_recv(port: int, numel: int, dtype: str, reps: int) -> None:
-    from hpc_rl.rollout.collective_wire import broadcast_from_rank0, join_group
+    from hpc_rl.rollout.wire.collective import broadcast_from_rank0, join_group
 
     pg = join_group("127.0.0.1", port, 2, 1, "gloo", 120)
     for _ in range(reps):
@@ -166,7 +166,7 @@ def raw_gloo_seconds(numel: int, nbytes: int, reps: int = 4) -> float:
     """The collective transport alone: a gloo broadcast of the same bytes to another process (best of reps-1)."""
     import torch.multiprocessing as mp
 
-    from hpc_rl.rollout.collective_wire import broadcast_from_rank0, join_group
+    from hpc_rl.rollout.wire.collective import broadcast_from_rank0, join_group
 
     dtype = "bfloat16" if nbytes == 2 * numel else "float32"
     with socket.socket() as s:
@@ -187,8 +187,8 @@ def raw_gloo_seconds(numel: int, nbytes: int, reps: int = 4) -> float:
 
 
 def bench_hf(cfg, ps, max_new: int) -> dict:
-    from hpc_rl.rollout.engine import SamplingParams
-    from hpc_rl.rollout.engine_hf import HFEngine
+    from hpc_rl.rollout.server.engine_hf import HFEngine
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     eng = HFEngine(cfg, "cpu")
     sp = SamplingParams(n=1, max_new_tokens=max_new, seed=0)

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from hpc_rl.errors import HpcRlError, RolloutError, first_line
-from hpc_rl.rollout import server
+from hpc_rl.rollout.server import service as server
 from hpc_rl.rundir import create
 
 

@@ -12,7 +12,7 @@ import torch
 from hpc_rl.config import LoraConfig
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.lora import adapter_specs, merged, resolve_targets, split_wire_name, wire_name
-from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
 from tests.logprob_checks import local_logprobs, max_diff, served_logprobs
 

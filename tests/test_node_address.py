@@ -11,7 +11,7 @@ import pytest
 from hpc_rl import launch, netutil
 from hpc_rl.config import load
 from hpc_rl.models import load_causal_lm
-from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
 
 pytestmark = pytest.mark.slow

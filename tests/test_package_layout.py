@@ -44,3 +44,23 @@ def test_the_import_scan_sees_relative_and_lazy_imports(tmp_path):
     path.write_text("def f():\n    from ..cluster.sweep import load_sweep\n    from . import client\n")
     assert _imported_modules(path, tmp_path / "hpc_rl") == {
         "hpc_rl.cluster.sweep", "hpc_rl.cluster.sweep.load_sweep", "hpc_rl.rollout", "hpc_rl.rollout.client"}
+
+
+def _rollout_offenders(side: str, forbidden: tuple[str, ...]) -> list[str]:
+    out = []
+    for path in sorted((PKG / "rollout" / side).rglob("*.py")):
+        bad = sorted(m for m in _imported_modules(path) for f in forbidden if m == f or m.startswith(f + "."))
+        if bad:
+            out.append(f"{path.relative_to(PKG)}: {', '.join(bad)}")
+    return out
+
+
+def test_the_rollout_server_side_and_the_trainer_side_are_apart():
+    """rollout/server/ never imports the trainer side (client/, environments/) nor the trainer (train/); the trainer
+    side never imports server/; wire/ (the formats both share) imports neither side."""
+    trainer_side = ("hpc_rl.rollout.client", "hpc_rl.rollout.environments")
+    offenders = (_rollout_offenders("server", (*trainer_side, "hpc_rl.train"))
+                 + _rollout_offenders("client", ("hpc_rl.rollout.server",))
+                 + _rollout_offenders("environments", ("hpc_rl.rollout.server",))
+                 + _rollout_offenders("wire", ("hpc_rl.rollout.server", *trainer_side)))
+    assert not offenders, "imports across the rollout sides:\n" + "\n".join(offenders)

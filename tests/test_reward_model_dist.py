@@ -62,7 +62,7 @@ def test_reward_model_on_two_zero3_ranks(tiny_reward_model, tiny_model, tmp_path
 
 
 def test_reward_model_on_a_rollout_server(tiny_reward_model, tiny_model, tmp_path):
-    from hpc_rl.rollout.client import RolloutClient
+    from hpc_rl.rollout.client.rollout_client import RolloutClient
     from hpc_rl.rollout.testing import make_run, start_server, stop_server
 
     run = make_run(tmp_path / "runs", tiny_model, max_model_len=64,

@@ -12,9 +12,9 @@ from hpc_rl.config import TinyModelConfig
 from hpc_rl.errors import RolloutError
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
-from hpc_rl.rollout.client import RolloutClient
-from hpc_rl.rollout.engine import SamplingParams
+from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, spawn_server, stop_server, wait_rendezvous
+from hpc_rl.rollout.wire.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 

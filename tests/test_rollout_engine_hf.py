@@ -8,8 +8,8 @@ import torch
 from hpc_rl.config import TinyModelConfig, load_dict
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
-from hpc_rl.rollout.engine import SamplingParams
-from hpc_rl.rollout.engine_hf import HFEngine
+from hpc_rl.rollout.server.engine_hf import HFEngine
+from hpc_rl.rollout.wire.sampling import SamplingParams
 
 CORPUS = [f"{i} + {i} = {2 * i}" for i in range(100)]
 

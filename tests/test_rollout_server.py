@@ -15,7 +15,7 @@ from hpc_rl.config import TinyModelConfig
 from hpc_rl.errors import RolloutError
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
-from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
 from tests.logprob_checks import local_logprobs, perturbed, served_logprobs
 
@@ -119,9 +119,9 @@ def test_multi_turn_tool_timeout_ends_the_trajectory(srv):
     """An environment step past rollout.tool_timeout_s ends its trajectory as truncated, counted as a tool error; the
     loop does not wait for it."""
     from hpc_rl.models import load_tokenizer
-    from hpc_rl.rollout.engine import SamplingParams
     from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
     from hpc_rl.rollout.environments.tools import ToolContext
+    from hpc_rl.rollout.wire.sampling import SamplingParams
     from tests.envs import SlowEnv
 
     tok = load_tokenizer(str(srv.model_dir))

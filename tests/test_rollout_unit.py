@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hpc_rl.netutil import advertise_host
-from hpc_rl.rollout import protocol
-from hpc_rl.rollout.client import chunk_seed, split_contiguous
-from hpc_rl.rollout.engine_hf import filter_logits
-from hpc_rl.rollout.weights import (
+from hpc_rl.rollout.client.rollout_client import chunk_seed, split_contiguous
+from hpc_rl.rollout.server.engine_hf import filter_logits
+from hpc_rl.rollout.wire import protocol
+from hpc_rl.rollout.wire.weights import (
     WeightError,
     bucket_bytes_of,
     buckets,
@@ -152,7 +152,7 @@ def test_kv_cache_bytes_from_the_job(tmp_path):
     from hpc_rl.config import TinyModelConfig, load
     from hpc_rl.data.toy import repeat_digit_corpus
     from hpc_rl.models.tiny import build_tiny_model
-    from hpc_rl.rollout.engine_vllm import kv_bytes_per_token, kv_cache_bytes
+    from hpc_rl.rollout.server.engine_vllm import kv_bytes_per_token, kv_cache_bytes
 
     path = build_tiny_model(TinyModelConfig(), repeat_digit_corpus(), tmp_path / "m")
     assert kv_bytes_per_token(str(path), "float32") == 2048
@@ -178,7 +178,7 @@ def test_weight_gate_load_waits_for_running_generations_and_holds_new_ones_back(
     import threading
     import time
 
-    from hpc_rl.rollout.server import WeightGate
+    from hpc_rl.rollout.server.service import WeightGate
 
     gate, state, seen = WeightGate(), {"version": 0}, []
 
@@ -212,7 +212,7 @@ def test_weight_gate_load_waits_for_running_generations_and_holds_new_ones_back(
 def test_a_server_that_fails_its_rejoin_probe_is_probed_again_only_after_a_growing_wait(tmp_path, monkeypatch):
     """A hung server (no answer to /health) costs a weight push one health timeout per REPROBE_S wait, not one per
     push; a server that answers again rejoins at the first push after its wait; a restarted one (new address) at once."""
-    from hpc_rl.rollout import client as client_mod
+    from hpc_rl.rollout.client import rollout_client as client_mod
     from hpc_rl.rundir import RunDir, write_json_atomic
 
     run = RunDir(tmp_path)

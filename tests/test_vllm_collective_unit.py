@@ -1,4 +1,4 @@
-"""Bucket plans and the gloo broadcast of collective_wire.py, between this process and a spawned one (no vLLM)."""
+"""Bucket plans and the gloo broadcast of rollout/wire/collective.py, between this process and a spawned one (no vLLM)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 import torch
 import torch.multiprocessing as mp
 
-from hpc_rl.rollout.collective_wire import broadcast_buckets, join_group, make_plan, plan_bytes, plan_hash, receive_buckets
+from hpc_rl.rollout.wire.collective import broadcast_buckets, join_group, make_plan, plan_bytes, plan_hash, receive_buckets
 
 
 def test_make_plan_groups_by_dtype_and_size():
@@ -58,7 +58,7 @@ def test_gloo_broadcast_roundtrip():
 
 
 def test_header_mismatch_is_named():
-    from hpc_rl.rollout.collective_wire import CollectiveError
+    from hpc_rl.rollout.wire.collective import CollectiveError
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,7 +81,7 @@ def test_header_mismatch_is_named():
 
 
 def _bad_receiver(port, plan, q):
-    from hpc_rl.rollout.collective_wire import CollectiveError
+    from hpc_rl.rollout.wire.collective import CollectiveError
 
     pg = join_group("127.0.0.1", port, 2, 1, "gloo", 30)
     try:

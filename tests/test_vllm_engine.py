@@ -41,7 +41,7 @@ def engine(tiny_path):
     if not HAVE_VLLM:
         pytest.skip(WHY)
     from hpc_rl.config import load_dict
-    from hpc_rl.rollout.engine_vllm import VLLMEngine
+    from hpc_rl.rollout.server.engine_vllm import VLLMEngine
 
     cfg = load_dict({"model": {"path": str(tiny_path)}, "rollout": {"engine": "vllm"}})
     eng = VLLMEngine(cfg, "cpu")
@@ -67,7 +67,7 @@ def _perturbed(tiny_path, seed: int):
 
 
 def test_generate_batch_n(engine):
-    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     prompts = [[5, 6, 7, 8], [9, 10, 11], [12]]
     out = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=6, seed=3))
@@ -83,7 +83,7 @@ def test_generate_batch_n(engine):
 
 
 def test_seed_determinism_and_stop(engine):
-    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     prompts = [[5, 6, 7], [8, 9]]
     p = SamplingParams(n=3, max_new_tokens=8, seed=11)
@@ -101,7 +101,7 @@ def test_seed_determinism_and_stop(engine):
 
 def test_sampled_logprobs_are_raw(engine):
     """At temperature 0.5 and top_k 5 the logged log-probs are still the temperature-1, unfiltered ones."""
-    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     prompt = [5, 6, 7, 8]
     s = engine.generate([prompt], SamplingParams(n=1, max_new_tokens=6, temperature=0.5, top_k=5, seed=1))[0][0]
@@ -111,7 +111,7 @@ def test_sampled_logprobs_are_raw(engine):
 
 
 def test_update_then_prompt_logprobs_match_hf(engine, tiny_path):
-    from hpc_rl.rollout.engine import SamplingParams
+    from hpc_rl.rollout.wire.sampling import SamplingParams
 
     m = _perturbed(tiny_path, seed=0)
     specs = engine.param_specs()
@@ -132,10 +132,10 @@ def test_update_then_prompt_logprobs_match_hf(engine, tiny_path):
 
 def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
     """bf16 over the wire: the routes of the real server (in this process) around the module's engine."""
-    from hpc_rl.rollout.collective_sender import CollectiveSender
-    from hpc_rl.rollout.collective_server import register_server_routes
-    from hpc_rl.rollout.collective_wire import CollectiveError
-    from hpc_rl.rollout.server import RolloutService, make_http_server
+    from hpc_rl.rollout.client.collective_sender import CollectiveSender
+    from hpc_rl.rollout.server.collective_receiver import register_server_routes
+    from hpc_rl.rollout.server.service import RolloutService, make_http_server
+    from hpc_rl.rollout.wire.collective import CollectiveError
     from hpc_rl.rundir import RunDir
 
     service = RolloutService(engine, RunDir(tmp_path), str(tiny_path), 256, None)
@@ -177,7 +177,7 @@ def test_kv_cache_that_does_not_fit_names_the_number_and_the_knob(tiny_path):
         pytest.skip(WHY)
     from hpc_rl.config import load_dict
     from hpc_rl.errors import ModelError
-    from hpc_rl.rollout.engine_vllm import VLLMEngine
+    from hpc_rl.rollout.server.engine_vllm import VLLMEngine
 
     huge = 1 << 50  # 1 PiB
     cfg = load_dict({"model": {"path": str(tiny_path)}, "rollout": {"engine": "vllm", "kv_cache_bytes": huge}})

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from hpc_rl.models import load_causal_lm
-from hpc_rl.rollout.client import RolloutClient
+from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
 from tests.logprob_checks import local_logprobs, max_diff, perturbed, served_logprobs
 

@@ -21,7 +21,7 @@ from ..data.datasets import PromptDataset
 from ..errors import RolloutError
 from ..metrics import read_metrics, truncate_after
 from ..rewards.base import compute_rewards, load_reward_fn
-from ..rollout.engine import SamplingParams
+from ..rollout.wire.sampling import SamplingParams
 from ..rundir import RunDir, write_text_atomic
 from .pass_at_k import eval_metrics
 

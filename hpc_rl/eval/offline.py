@@ -95,7 +95,7 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
     stop it; the row appended to RUN/eval.jsonl."""
     from ..launch import start_rollout_server, stop_processes
     from ..models.loading import load_tokenizer
-    from ..rollout.client import RolloutClient
+    from ..rollout.client.rollout_client import RolloutClient
     from ..train.batch_maker import stop_token_ids
 
     scratch = RunDir(run.root / "eval" / f"server-step_{step}-{os.getpid()}")

@@ -8,7 +8,7 @@ import threading
 import time
 
 from ..config import JobConfig
-from ..rollout import protocol
+from ..rollout.wire import protocol
 from .model import HeadTap, load_reward_module, score_sequences
 
 log = logging.getLogger("hpc_rl")

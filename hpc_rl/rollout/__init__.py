@@ -1,1 +1,3 @@
-"""Rollout servers (vLLM or HF engine behind one HTTP API), their client, and weight transport."""
+"""Generating samples, in folders that show its sides: server/ (the rollout server: HTTP app, engines, weight
+receivers), client/ (the trainer side: the client and the weight sender), wire/ (the formats both share), and
+environments/ (multi-turn rollouts, tools, the sandbox: trainer side)."""

@@ -18,11 +18,11 @@ from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
-from ..rollout.client import RolloutClient
-from ..rollout.engine import SamplingParams
+from ..rollout.client.rollout_client import RolloutClient
 from ..rollout.environments.loop import Limits, MultiTurnRollout
 from ..rollout.environments.sandbox import SandboxLimits
 from ..rollout.environments.tools import ToolContext
+from ..rollout.wire.sampling import SamplingParams
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"

@@ -28,7 +28,7 @@ from ..metrics import MetricsWriter, format_step_line
 from ..models.loading import load_tokenizer
 from ..rewards.base import RewardShaper, combine_rewards, describe
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
-from ..rollout.client import RolloutClient
+from ..rollout.client.rollout_client import RolloutClient
 from ..rundir import RunDir, write_json_atomic
 from . import checkpoint
 from .batch_maker import BatchMaker

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from ...errors import DataError, RewardError, first_line
 from ...metrics import idle_seconds
 from ...rewards.base import as_reward
-from ..engine import SamplingParams
+from ..wire.sampling import SamplingParams
 from .chat import ChatFormat
 from .tools import ToolContext, is_error
 

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.lora import adapter_specs, group_adapters, merged, scaling, unpaired
-from .engine import Engine, SampleOut, SamplingParams
-from .weights import WeightError
+from ...models.lora import adapter_specs, group_adapters, merged, scaling, unpaired
+from ..wire.sampling import SampleOut, SamplingParams
+from ..wire.weights import WeightError
+from .engine import Engine
 
 log = logging.getLogger("hpc_rl")
 

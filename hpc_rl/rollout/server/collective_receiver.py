@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import first_line
-from .collective_wire import CollectiveError, dtype_name, join_group, leave_group, receive_buckets
+from ...errors import first_line
+from ..wire.collective import CollectiveError, dtype_name, join_group, leave_group, receive_buckets
 
 log = logging.getLogger("hpc_rl")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .engine import SampleOut, SamplingParams
+from .sampling import SampleOut, SamplingParams
 
 # Config-independent limits: JSON requests (a few thousand prompts fit easily) and one weight bucket
 # (a single tensor never splits, so a bucket can be as large as a big model's embedding matrix).

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 
 import requests
 
-from ..errors import RolloutError
-from ..logs import tail_lines
-from ..netutil import auth_session, error_of
-from ..rundir import RunDir, read_json
-from . import protocol
-from .engine import SampleOut, SamplingParams
+from ...errors import RolloutError
+from ...logs import tail_lines
+from ...netutil import auth_session, error_of
+from ...rundir import RunDir, read_json
+from ..wire import protocol
+from ..wire.sampling import SampleOut, SamplingParams
 
 log = logging.getLogger("hpc_rl")
 
@@ -453,7 +453,7 @@ class RolloutClient:
                                + "; ".join(f"{s.url} ({c})" for s, c in failures))
 
     def _push_http(self, named_tensors: Iterable, version: int, servers: list[Server]) -> int:
-        from .weights import bucket_bytes_of, buckets
+        from ..wire.weights import bucket_bytes_of, buckets
 
         total = 0
         it = iter(buckets(named_tensors))
@@ -485,7 +485,7 @@ class RolloutClient:
         return total
 
     def _push_file(self, named_tensors: Iterable, version: int, servers: list[Server]) -> int:
-        from .weights import prune_versions, write_version
+        from ..wire.weights import prune_versions, write_version
 
         folder, nbytes = write_version(self.run.weights, version, named_tensors)
 

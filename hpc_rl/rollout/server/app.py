@@ -1,4 +1,4 @@
-"""The rollout server's HTTP API on FastAPI + uvicorn; bodies and limits are in protocol.py.
+"""The rollout server's HTTP API on FastAPI + uvicorn; bodies and limits are in wire/protocol.py.
 
 The token and the body size are checked by an ASGI guard from the headers alone, before the app reads a byte
 of the body (401/411/413 cost nothing, and a multi-GB weight push without the token is never received).
@@ -24,9 +24,9 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
-from ..errors import HpcRlError, first_line
-from . import protocol
-from .protocol import BadRequest
+from ...errors import HpcRlError, first_line
+from ..wire import protocol
+from ..wire.protocol import BadRequest
 
 log = logging.getLogger("hpc_rl")
 

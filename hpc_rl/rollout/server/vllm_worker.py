@@ -73,7 +73,7 @@ class HpcRlWorkerExtension:
     def hpc_collective_join(self, master_addr: str, master_port: int, world_size: int, base_rank: int,
                             backend: str, timeout_s: float) -> int:
         """Join the trainer's weight-sync group as rank base_rank + this worker's TP rank; returns that rank."""
-        from .collective_wire import join_group
+        from ..wire.collective import join_group
 
         rank = base_rank + int(self.rank)
         device = "cpu" if backend == "gloo" else f"cuda:{self.device.index or 0}"
@@ -88,7 +88,7 @@ class HpcRlWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-        from .collective_wire import receive_buckets
+        from ..wire.collective import receive_buckets
 
         pg = getattr(self, "_hpc_pg", None)
         if pg is None:
@@ -105,7 +105,7 @@ class HpcRlWorkerExtension:
 
     def hpc_collective_close(self) -> None:
         """Leave the weight-sync group."""
-        from .collective_wire import leave_group
+        from ..wire.collective import leave_group
 
         leave_group(getattr(self, "_hpc_pg", None))
         self._hpc_pg = None

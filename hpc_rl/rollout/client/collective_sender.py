@@ -1,5 +1,5 @@
 """Collective weight sync, the trainer's side: rank 0 forms the group with every server's workers and
-broadcasts each new version in buckets (see collective_wire.py)."""
+broadcasts each new version in buckets (see wire/collective.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import requests
 import torch
 
-from ..netutil import advertise_host, auth_session, error_of
-from .collective_wire import (
+from ...netutil import advertise_host, auth_session, error_of
+from ..wire.collective import (
     BUCKET_BYTES,
     CollectiveError,
     broadcast_buckets,

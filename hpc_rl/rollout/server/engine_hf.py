@@ -14,9 +14,10 @@ import threading
 
 import torch
 
-from ..errors import ModelError
-from ..models import load_causal_lm
-from .engine import Engine, SampleOut, SamplingParams
+from ...errors import ModelError
+from ...models import load_causal_lm
+from ..wire.sampling import SampleOut, SamplingParams
+from .engine import Engine
 
 log = logging.getLogger("hpc_rl")
 

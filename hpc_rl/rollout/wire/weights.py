@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import RolloutError, first_line
+from ...errors import RolloutError, first_line
 
 # The client cuts the state dict into buckets of about this many bytes (one tensor never splits).
 BUCKET_BYTES = 64 * 1024 * 1024

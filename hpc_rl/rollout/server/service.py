@@ -1,6 +1,6 @@
 """Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N] [--role reward]`.
 
-Serves one engine over HTTP (API in protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
+Serves one engine over HTTP (API in wire/protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
 and exits on SIGTERM/SIGINT or when RUN/rendezvous/done.json appears.
 
 The HTTP side (FastAPI + uvicorn, token and size checks before the body is read) is app.py; this module
@@ -26,15 +26,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..errors import HpcRlError
-from ..netutil import advertise_host
-from ..rundir import RunDir, read_json, write_json_atomic
-from . import protocol
+from ...errors import HpcRlError
+from ...netutil import advertise_host
+from ...rundir import RunDir, read_json, write_json_atomic
+from ..wire import protocol
+from ..wire.protocol import BadRequest
+from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
-from .collective_server import register_server_routes
+from .collective_receiver import register_server_routes
 from .engine import Engine, make_engine
-from .protocol import BadRequest
-from .weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 
 log = logging.getLogger("hpc_rl")
 
@@ -155,7 +155,7 @@ class RolloutService:
     def tokenizer(self):
         with self._tok_lock:
             if self._tokenizer is None:
-                from ..models import load_tokenizer
+                from ...models import load_tokenizer
 
                 self._tokenizer = load_tokenizer(self.model_path, self.trust_remote_code)
             return self._tokenizer
@@ -278,7 +278,7 @@ def _setup_logging() -> None:
 def serve(run_dir: str, index: int, device: str | None = None, role: str = "rollout") -> int:
     """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
     RUN/rendezvous/done.json; returns the exit code."""
-    from ..config import load
+    from ...config import load
 
     run = RunDir(Path(run_dir).resolve())
     cfg = load(run.job_yaml)
@@ -288,7 +288,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if role == "reward":  # a reward node's server: the reward model alone, on this node's first GPU
-        from ..rewards.serving import RewardService, register_score_route
+        from ...rewards.serving import RewardService, register_score_route
 
         engine = None
         service = RewardService(str(cfg.reward.model.path))
@@ -299,7 +299,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
                                  _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
         register_server_routes(service)  # /collective/*: the weight-sync group's server side
         if cfg.reward.on_rollout_servers:
-            from ..rewards.serving import register_score_route
+            from ...rewards.serving import register_score_route
 
             register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)

@@ -1,7 +1,7 @@
 """The Engine interface every rollout engine implements (HF fallback, vLLM), and engine selection.
 
 Tensor names are the HF `state_dict()` names of the causal LM (e.g. `model.layers.0.self_attn.q_proj.weight`).
-`load_weights` receives tensors already validated by `hpc_rl.rollout.weights.validate_named_tensors`
+`load_weights` receives tensors already validated by `hpc_rl.rollout.wire.weights.validate_named_tensors`
 against `param_specs()`; engines cast to their own dtype on load.
 """
 
@@ -10,40 +10,17 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ..errors import first_line
+from ...errors import first_line
+from ..wire.sampling import SampleOut, SamplingParams
 
 if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for the client
     import torch
 
-    from ..config import JobConfig
+    from ...config import JobConfig
 
 log = logging.getLogger("hpc_rl")
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling settings; top_k -1 means off, seed None means nondeterministic."""
-
-    n: int = 1
-    max_new_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: list[int] = field(default_factory=list)
-    seed: int | None = None
-
-
-@dataclass
-class SampleOut:
-    """One sample: generated token ids (EOS included when it ended the sample), their raw log-probs
-    (log_softmax of the logits at temperature 1, before top-k/top-p), and "stop" or "length"."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
 
 
 class Engine(abc.ABC):

@@ -7,7 +7,7 @@ prompt_logprobs_async directly. The synchronous Engine methods (offline use, wei
 threads) submit coroutines to the loop.
 
 Weights reach vLLM's worker process (not this one) as a safetensors file in /dev/shm whose path goes
-through `collective_rpc`, or over the collective group (collective_wire.py); `HpcRlWorkerExtension` loads them
+through `collective_rpc`, or over the collective group (wire/collective.py); `HpcRlWorkerExtension` loads them
 with vLLM's layerwise reload, which also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
 a spawned server process (vLLM spawns its engine core). CPU threads: vLLM binds its worker to the cores
 of VLLM_CPU_OMP_THREADS_BIND (default "auto": all cores of a NUMA node but one reserved); set it (e.g.
@@ -26,13 +26,14 @@ import uuid
 
 import torch
 
-from ..errors import ModelError, first_line
-from ..models.loading import check_model_dir
-from .engine import Engine, SampleOut, SamplingParams
+from ...errors import ModelError, first_line
+from ...models.loading import check_model_dir
+from ..wire.sampling import SampleOut, SamplingParams
+from .engine import Engine
 
 log = logging.getLogger("hpc_rl")
 
-WORKER_EXT = "hpc_rl.rollout.vllm_worker.HpcRlWorkerExtension"
+WORKER_EXT = "hpc_rl.rollout.server.vllm_worker.HpcRlWorkerExtension"
 
 
 def _vllm_dtype(name: str) -> str:
@@ -274,7 +275,7 @@ class VLLMEngine(Engine):
     def reset_cache(self) -> None:
         self._run(self._llm.reset_prefix_cache())
 
-    # ------------------------------------------------------------------ collective (see collective_server.py)
+    # ------------------------------------------------------------------ collective (see collective_receiver.py)
     def collective_workers(self) -> int:
         return self.tensor_parallel
 
