@@ -66,7 +66,6 @@ import itertools
 import json
 import logging
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -529,17 +528,6 @@ def _collect(fd: int, output_bytes: int, deadline: float) -> tuple[bytes, str | 
 
 # --------------------------------------------------------------------------- without namespaces
 
-def _limit(limits: SandboxLimits):
-    def preexec():
-        os.setsid()
-        mem = limits.memory_mb * 2**20
-        for res, value in ((resource.RLIMIT_CPU, limits.cpu_s), (resource.RLIMIT_AS, mem),
-                           (resource.RLIMIT_NPROC, limits.processes), (resource.RLIMIT_FSIZE, limits.file_bytes),
-                           (resource.RLIMIT_NOFILE, limits.open_files), (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(res, (value, value + 1 if res == resource.RLIMIT_CPU else value))
-    return preexec
-
-
 def _run_plain(code: str, limits: SandboxLimits) -> SandboxResult:
     """No user namespaces here (rollout.sandbox.require_isolation false): a process with rlimits and the seccomp
     filter, in a temporary working directory deleted afterwards."""
@@ -548,9 +536,10 @@ def _run_plain(code: str, limits: SandboxLimits) -> SandboxResult:
         Path(work, "main.py").write_text(code)
         with _SLOTS:
             t0 = time.monotonic()
-            proc = subprocess.Popen([sys.executable, "-I", str(ZYGOTE), "--plain", work], cwd=work,
+            proc = subprocess.Popen([sys.executable, "-I", str(ZYGOTE), "--plain", work,
+                                     json.dumps({**asdict(limits), "tmp_bytes": limits.tmp_bytes})], cwd=work,
                                     env={**ENV, "HOME": work, "TMPDIR": work}, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, preexec_fn=_limit(limits),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                     close_fds=True)
             try:
                 out, killed = _collect(proc.stdout.fileno(), limits.output_bytes, t0 + limits.wall_s)

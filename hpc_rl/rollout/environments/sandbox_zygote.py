@@ -10,9 +10,9 @@ filter, and runs the model's code. `sandbox.py` has the guarantees, layer by lay
 Protocol on the SOCK_SEQPACKET socket (fd in argv): the parent sends b"R" + call id with the fds [request memfd
 (JSON: code, limits), output pipe, status pipe], or b"K" + call id to kill a call; the zygote
 writes the call's wait status as text to the status pipe when the call's PID 1 has been reaped (b"E" + why, when
-it could not start the call). Setup reports
-b"ready" or b"error: ..." on the socket. Also `--plain WORKDIR`: run main.py there behind the seccomp filter only
-(machines without user namespaces, rollout.sandbox.require_isolation false), and `--check-seccomp`.
+it could not start the call). Setup reports b"ready" or b"error: ..." on the socket. Also `--plain WORKDIR LIMITS`:
+run main.py there with rlimits and the seccomp filter only (machines without user namespaces,
+rollout.sandbox.require_isolation false), and `--check-seccomp`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ import sys
 
 libc = ctypes.CDLL(None, use_errno=True)
 
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 32, 4096, 16384, 1 << 18
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 # statvfs flags -> mount flags a remount must keep (the kernel refuses to drop flags a parent namespace locked).
 KEEP_FLAGS = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC), (1024, 1024),
               (2048, 2048), (4096, 1 << 21))
@@ -489,9 +490,10 @@ def zygote_main(argv: list[str]) -> None:
 
 
 def plain_main(argv: list[str]) -> None:
-    """No namespaces here: the filter, then ./main.py (rlimits were set by the parent)."""
+    """No namespaces here: rlimits (argv[1], JSON) and the filter, then ./main.py in argv[0]."""
     os.chdir(argv[0])
     try:
+        _set_limits(json.loads(argv[1]))
         install_seccomp()
     except OSError as e:
         sys.stderr.write(f"sandbox setup: {e}\n")
