@@ -140,6 +140,83 @@ def test_killed_server_work_moves_to_the_other(pair, caplog):
     c.close()
 
 
+def test_registrations_that_are_not_servers_of_this_run_change_nothing(pair, caplog):
+    """Garbage rendezvous files are skipped with one warning each; a registration whose address refuses this run's
+    token (another run's server) is not counted in the chunking and a request to it fails over instead of failing
+    the step."""
+    import http.server
+    import threading
+
+    from hpc_rl.rollout.client.rollout_client import _HTTPFailure
+
+    class Foreign(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Foreign)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    rdv = pair.run.rendezvous
+    forged = {"rollout-7.json": "{not json", "rollout-8.json": '["a list"]',
+              "rollout-x.json": json.dumps({"url": "http://127.0.0.1:1"}),
+              "rollout-6.json": json.dumps({"url": "ftp://nowhere", "index": 6}),
+              "rollout-9.json": json.dumps({"url": f"http://127.0.0.1:{foreign.server_port}", "index": 9})}
+    c = client_for(pair.run)
+    c.wait_ready(1, timeout_s=30)
+    c.expected = 2  # (server 1 was killed above: its chunk fails over to server 0, same boundaries and seeds)
+    try:
+        for name, text in forged.items():
+            (rdv / name).write_text(text)
+        with caplog.at_level(logging.WARNING, logger="hpc_rl"):
+            c.refresh()
+            c.refresh()
+            res = c.generate(PROMPTS, PARAMS, step=1)
+        warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignoring ")]
+        assert sorted(w.split()[1].rsplit("/", 1)[1].rstrip(":") for w in warned) == \
+            ["rollout-6.json", "rollout-7.json", "rollout-8.json", "rollout-x.json"], warned
+        assert res.outputs == pair.baseline and c._n_chunks() == 2
+        assert not any("joined" in e for e in c.membership_events())
+        with pytest.raises(_HTTPFailure):
+            c._post_json(c.servers[9], "/generate", {}, 5)
+    finally:
+        for name in forged:
+            (rdv / name).unlink()
+        foreign.shutdown()
+        c.close()
+
+
+def test_a_server_that_registers_mid_run_joins_at_the_next_push(pair, caplog):
+    # (server 1 was killed above: server 0 serves alone)
+    c = client_for(pair.run)
+    c.wait_ready(1, timeout_s=30)
+    m = load_causal_lm(pair.model_dir)
+    c.push_weights(list(m.state_dict().items()), version=6)
+    proc = spawn_server(pair.run, 5)
+    try:
+        wait_rendezvous(pair.run, 5, proc)
+        c.refresh()
+        assert not c.servers[5].healthy  # initial weights, older than version 6: no work before the next push
+        assert c.generate(PROMPTS, PARAMS, step=6).policy_versions == [6] * 6
+        c.push_weights(list(m.state_dict().items()), version=7)
+        events = c.membership_events()
+        assert any(e.startswith("rollout server 5 at ") and e.endswith(" joined") for e in events), events
+        res = c.generate(PROMPTS, PARAMS, step=7)
+        assert res.policy_versions == [7] * 6 and c.live_count() == 2
+        m5 = c.servers[5].session.get(c.servers[5].url + "/metrics", timeout=5).json()
+        assert m5["generate_requests"] >= 1  # the joined server took its share
+        stop_server(proc)
+        assert c.generate(PROMPTS, PARAMS, step=8).policy_versions == [7] * 6  # its chunk moved to server 0
+        assert any("server 5" in e and " left " in e for e in c.membership_events())
+    finally:
+        stop_server(proc)
+        c.close()
+
+
 def test_wait_ready_timeout_names_missing_servers(pair):
     (pair.run.logs / "rollout-2.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
     c = client_for(pair.run)

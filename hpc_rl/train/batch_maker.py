@@ -116,7 +116,10 @@ class BatchMaker:
         reward_s = time.time() - t1
         masks = extra.get("response_masks")
         gen_tokens = sum(map(sum, masks)) if masks else sum(len(x) for x in resp_ids)
+        for event in self.client.membership_events():  # one line per join or leave
+            log.info("step %d: %s", step + 1, event)
         stats = {"response_len": sum(len(x) for x in resp_ids) / len(resp_ids), **turn_stats,
+                 "rollout_servers": self.client.live_count(),
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],

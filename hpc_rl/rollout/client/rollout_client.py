@@ -44,6 +44,24 @@ class Server:
     last_error: str = ""
     reprobe_at: float = 0.0  # (monotonic) no rejoin probe before this; see REPROBE_S
     reprobe_wait: float = 0.0
+    # Answered with this run's token at least once (a health probe or a request). Only such servers count in the
+    # chunking, so a registration that never answers (a dead address, another run's server) changes no sample.
+    verified: bool = False
+
+
+def registration_problem(info, path) -> str | None:
+    """Why a rendezvous file is not a usable server registration (one line), or None."""
+    if info is None:
+        return "it does not parse as JSON"
+    if not isinstance(info, dict):
+        return "it is not a JSON object"
+    url = info.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")) or url.count(":") < 2:
+        return f"its url {url!r} is not http(s)://host:port"
+    index = info.get("index", path.stem.split("-")[-1])
+    if isinstance(index, bool) or not (isinstance(index, int) or (isinstance(index, str) and index.isdigit())):
+        return f"its index {index!r} is not a non-negative integer"
+    return None
 
 
 def chunk_seed(seed: int | None, start: int) -> int | None:
@@ -90,6 +108,8 @@ class RolloutClient:
         self._transport: tuple[str, str] | None = None  # (weight_sync, what it resolved to on the first push)
         self._sender = None  # CollectiveSender: one group for the whole run, reused across pushes
         self.servers: dict[int, Server] = {}
+        self._ignored: dict[str, float] = {}  # rendezvous file -> mtime it was warned about
+        self._events: list[str] = []  # joins and leaves since membership_events() last took them
         self.pushed_version: int | None = None
         self.expected = 0
         # (trainer.nodes, rollout.nodes, rollout.servers_per_node): names a missing server's node in errors.
@@ -121,16 +141,52 @@ class RolloutClient:
         d = self.run.rendezvous
         for f in sorted(d.glob(f"{self.kind}-*.json")) if d.is_dir() else []:
             info = read_json(f)
-            if not info or "url" not in info:
+            why = registration_problem(info, f)
+            if why is not None:
+                self._ignore(f, why)
                 continue
             idx = int(info.get("index", f.stem.split("-")[-1]))
             old = self.servers.get(idx)
             if old is None or old.url != info["url"]:
                 if old is not None:
                     old.session.close()
-                # A server that (re)starts after a weight push serves stale weights: it gets no work until
-                # the next push brings it up to date (see _rejoin).
-                self.servers[idx] = Server(idx, info["url"], self._session(), healthy=self.pushed_version is None)
+                # A server that (re)starts after a weight push serves stale weights, and one beyond the job's own
+                # (a rollout job's, or a forged file) has not shown it holds the token: either gets no work until
+                # _rejoin (at the next push, which brings it to the current weights) finds it answering.
+                # A restart (a known index at a new address) keeps its place in the chunking.
+                own = self.expected == 0 or idx < self.expected
+                self.servers[idx] = Server(idx, info["url"], self._session(),
+                                           healthy=self.pushed_version is None and own,
+                                           verified=old is not None and old.verified)
+
+    def _ignore(self, path, why: str) -> None:
+        """Warn once per version of a rendezvous file that is not a registration; it is skipped."""
+        try:
+            mtime = path.stat().st_mtime
+        except OSError:
+            return
+        if self._ignored.get(str(path)) != mtime:
+            self._ignored[str(path)] = mtime
+            log.warning("ignoring %s: %s (a %s server writes it once it serves)", path, why, self.kind)
+
+    def _verified(self, srv: Server, announce: bool = True) -> None:
+        """srv answered with this run's token: it takes work from now on (a join is announced, except at start)."""
+        if not srv.verified:
+            srv.verified = True
+            if announce:
+                self._events.append(f"{self.kind} server {srv.index} at {srv.url} joined")
+        elif not srv.healthy:
+            self._events.append(f"{self.kind} server {srv.index} at {srv.url} is back")
+        _back(srv)
+
+    def membership_events(self) -> list[str]:
+        """Joins, returns and leaves of servers since the last call (for the step's log)."""
+        out, self._events = self._events, []
+        return out
+
+    def live_count(self) -> int:
+        """Servers taking work now."""
+        return sum(1 for s in self.servers.values() if s.healthy)
 
     def _health(self, srv: Server) -> dict | None:
         try:
@@ -158,7 +214,7 @@ class RolloutClient:
                     srv = self.servers.get(idx)
                     if idx not in ready and srv is not None and self._health(srv) is not None:
                         ready.add(idx)
-                        srv.healthy = True
+                        self._verified(srv, announce=False)
                 prog.update(task, completed=len(ready),
                             description=f"waiting for {self.kind} servers: {len(ready)}/{expected} ready")
                 if len(ready) >= expected:
@@ -210,7 +266,7 @@ class RolloutClient:
         for s in self.servers.values():
             h = self._health(s)
             if h is not None and (self.pushed_version is None or h.get("policy_version") == self.pushed_version):
-                _back(s)
+                self._verified(s)
         return sorted((s for s in self.servers.values() if s.healthy), key=lambda s: s.index)
 
     def _rejoin(self) -> None:
@@ -222,16 +278,21 @@ class RolloutClient:
             if s.healthy or now < s.reprobe_at:
                 continue
             if self._health(s) is None:
+                if not s.verified and s.reprobe_wait == 0.0:  # once: the backoff then keeps it quiet
+                    log.warning("%s server %d at %s is registered but does not answer /health with this run's "
+                                "token (%s); it gets no work until it does", self.kind, s.index, s.url, s.last_error)
                 s.reprobe_wait = min(REPROBE_S[1], max(REPROBE_S[0], 2 * s.reprobe_wait))
                 s.reprobe_at = now + s.reprobe_wait
                 continue
-            log.info("rollout server %d at %s answers again; it rejoins with this weight push", s.index, s.url)
-            _back(s)
+            log.info("%s server %d at %s answers; it %s with this weight push", self.kind, s.index, s.url,
+                     "rejoins" if s.verified else "joins")
+            self._verified(s)
 
     def _mark_dead(self, srv: Server, cause: str) -> None:
         if srv.healthy:
             log.warning("%s server %d at %s failed (%s); routing its work to the other servers",
                         self.kind, srv.index, srv.url, cause)
+            self._events.append(f"{self.kind} server {srv.index} at {srv.url} left ({cause})")
         srv.healthy = False
         srv.last_error = cause
 
@@ -242,10 +303,12 @@ class RolloutClient:
             r = srv.session.post(srv.url + path, json=body, timeout=timeout)
         except requests.RequestException as e:
             raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
-        if r.status_code >= 500:
+        if r.status_code >= 500 or r.status_code in (401, 403):  # 401/403: not this run's server (token refused)
             raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
         if r.status_code != 200:
             raise RolloutError(f"{self.kind} server {srv.url} rejected {path} (HTTP {r.status_code}): {error_of(r)}")
+        if not srv.verified:
+            self._verified(srv)
         return r.json()
 
     def _run_chunks(self, path: str, bodies: list[dict], what: str) -> list[dict]:
@@ -281,9 +344,10 @@ class RolloutClient:
             return list(pool.map(one, range(len(bodies))))
 
     def _n_chunks(self) -> int:
-        # Chunk count follows the configured servers, not the live ones: a retried chunk keeps its seed
-        # and its boundaries, so a dead server does not change the samples.
-        return max(self.expected, len(self.servers), 1)
+        # Chunk count follows the configured and the joined servers, not the live ones: a retried chunk keeps its
+        # seed and its boundaries, so a dead server does not change the samples (nor does a registration that
+        # never answered).
+        return max(self.expected, sum(s.verified for s in self.servers.values()), 1)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, step: int) -> GenerateResult:
         """Samples for every prompt, split across the servers; RolloutError names the server, step and cause."""
