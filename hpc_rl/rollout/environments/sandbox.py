@@ -208,25 +208,29 @@ def hidden_paths(extra: list[str | Path]) -> list[str]:
     return sorted(out)
 
 
-def _pids_cgroup(processes: int) -> Path | None:
-    """A pids cgroup of its own capped at `processes`, beside this process's (cgroup v1, or a delegated v2
-    subtree); None where this user may not make one (then RLIMIT_NPROC bounds the count)."""
+def _cgroup_parents() -> list[Path]:
+    """The folders a pids cgroup of this process's would be made in: beside its own, in each pids hierarchy
+    (cgroup v1 `pids`, or cgroup v2)."""
     own = {}
     for line in Path("/proc/self/cgroup").read_text().splitlines():
         _, ctrls, path = line.split(":", 2)
         own[ctrls] = path
-    mounts = []
+    out = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         pre, _, post = line.partition(" - ")
         fstype, _, opts = (post.split() + ["", "", ""])[:3]
-        if fstype == "cgroup" and "pids" in opts.split(","):
-            mounts.append((Path(pre.split()[4]), own.get("pids")))
-        elif fstype == "cgroup2":
-            mounts.append((Path(pre.split()[4]), own.get("")))
-    for mount, path in mounts:
-        if path is None:
-            continue
-        cg = mount / path.lstrip("/") / f"{STALE_PREFIX}{os.getpid()}-{next(_CGROUP_IDS)}"
+        path = own.get("pids") if fstype == "cgroup" and "pids" in opts.split(",") else \
+            own.get("") if fstype == "cgroup2" else None
+        if path is not None:
+            out.append(Path(pre.split()[4]) / path.lstrip("/"))
+    return out
+
+
+def _pids_cgroup(processes: int) -> Path | None:
+    """A pids cgroup of its own capped at `processes`, beside this process's (cgroup v1, or a delegated v2
+    subtree); None where this user may not make one (then RLIMIT_NPROC bounds the count)."""
+    for parent in _cgroup_parents():
+        cg = parent / f"{STALE_PREFIX}{os.getpid()}-{next(_CGROUP_IDS)}"
         try:
             cg.mkdir()
         except OSError:
@@ -249,15 +253,7 @@ def _rmdir(path) -> None:
 def _sweep_stale() -> None:
     """Remove what sandboxes of processes that are gone left (killed before they could: their pids cgroups, empty
     once the sandbox died with them, and setup mount points), so that a long-lived node does not collect them."""
-    places = [Path(tempfile.gettempdir())]
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        pre, _, post = line.partition(" - ")
-        fstype, _, opts = (post.split() + ["", "", ""])[:3]
-        if fstype == "cgroup2" or (fstype == "cgroup" and "pids" in opts.split(",")):
-            places.append(Path(pre.split()[4]))
-    own = {line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()}
-    places += [p / c.lstrip("/") for p in places[1:] for c in own if c != "/"]
-    for place in places:
+    for place in [Path(tempfile.gettempdir()), *_cgroup_parents()]:
         try:
             entries = list(place.glob(f"{STALE_PREFIX}*"))
         except OSError:
