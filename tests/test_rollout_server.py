@@ -3,6 +3,7 @@
 import http.client
 import json
 import math
+import signal
 import time
 from urllib.parse import urlsplit
 
@@ -304,7 +305,33 @@ def test_metrics(srv):
     assert m["weight_updates"] >= 3 and m["policy_version"] == 60 and m["engine"] == "hf"
 
 
-def test_sigterm_exits_cleanly(srv):
-    assert stop_server(srv.proc, timeout_s=15) == 0
-    assert not srv.run.rollout_file(0).exists()
-    assert "stopping (SIGTERM)" in (srv.run.logs / "rollout-0.log").read_text()
+def test_sigterm_drains_generations_in_flight(srv):
+    """SIGTERM: /health says draining, new work gets 503 (the client sends it elsewhere), the registration goes
+    at once, and the generation in flight still completes before the server exits 0."""
+    import threading
+
+    done = {}
+
+    def long_generation():
+        body = {"prompt_token_ids": [[5 + i % 20, 6, 7] for i in range(64)], "n": 8, "max_new_tokens": 28,
+                "temperature": 1.0, "seed": 3}
+        done["r"] = srv.s.post(srv.url + "/generate", json=body, timeout=120)
+
+    t = threading.Thread(target=long_generation)
+    t.start()
+    deadline = time.monotonic() + 30
+    while srv.s.get(srv.url + "/metrics", timeout=5).json()["generating"] < 1:
+        assert time.monotonic() < deadline and t.is_alive(), "the generation never started"
+        time.sleep(0.01)
+    srv.proc.send_signal(signal.SIGTERM)
+    while srv.run.rollout_file(0).exists():
+        assert time.monotonic() < deadline, "the registration was not removed"
+        time.sleep(0.01)
+    assert srv.s.get(srv.url + "/health", timeout=5).json()["state"] == "draining"
+    r = srv.s.post(srv.url + "/generate", json={"prompt_token_ids": [[5, 6]], "n": 1, "max_new_tokens": 2}, timeout=10)
+    assert r.status_code == 503 and "draining" in r.json()["error"]
+    t.join(120)
+    assert done["r"].status_code == 200 and len(done["r"].json()["outputs"]) == 64
+    assert srv.proc.wait(30) == 0
+    text = (srv.run.logs / "rollout-0.log").read_text()
+    assert "stopping (SIGTERM)" in text and "drained: no generation in flight" in text

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from ...errors import HpcRlError, first_line
 from ..wire import protocol
-from ..wire.protocol import BadRequest
+from ..wire.protocol import BadRequest, Draining
 
 log = logging.getLogger("hpc_rl")
 
@@ -183,6 +183,10 @@ def make_app(service, token: str) -> Guard:
         service.count("errors")
         log.warning("%s %s: 400 %s", request.method, request.url.path, first_line(e))
         return json_response({"error": first_line(e)}, 400)
+
+    @app.exception_handler(Draining)
+    async def draining(request: Request, e: Exception):
+        return json_response({"error": f"{request.method} {request.url.path}: {e}"}, 503)
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):

@@ -1,7 +1,9 @@
 """Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N] [--role reward]`.
 
-Serves one engine over HTTP (API in wire/protocol.py), writes RUN/rendezvous/rollout-K.json once it serves,
-and exits on SIGTERM/SIGINT or when RUN/rendezvous/done.json appears.
+Serves one engine over HTTP (API in wire/protocol.py), writes RUN/rendezvous/rollout-K.json once it serves
+(and again whenever it disappears: a requeued run's preamble clears the folder), and exits when
+RUN/rendezvous/done.json appears or on SIGTERM/SIGINT. A signal drains first: the server answers new work with 503
+(the trainer's client sends it elsewhere), removes its registration, and finishes what it is generating.
 
 The HTTP side (FastAPI + uvicorn, token and size checks before the body is read) is app.py; this module
 holds the service behind it (engine, policy version, staged weight buckets, counters) and the entry point.
@@ -30,7 +32,7 @@ from ...errors import HpcRlError
 from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
 from ..wire import protocol
-from ..wire.protocol import BadRequest
+from ..wire.protocol import DRAIN_S, BadRequest, Draining
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
 from .collective_receiver import register_server_routes
@@ -69,6 +71,26 @@ class WeightGate:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no generation runs and no load is under way; False after timeout_s."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._active or self._loading:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.5))
+        return True
+
+    @property
+    def state(self) -> str:
+        return "loading weights" if self._loading else "serving"
+
+    @property
+    def active(self) -> int:
+        """Generations (and log-prob requests) running now."""
+        return self._active
 
     @contextlib.contextmanager
     def loading(self):
@@ -109,6 +131,7 @@ class RolloutService:
                           "last_batch_tokens_per_s": 0.0, "last_batch_seconds": 0.0, "errors": 0}
         self._count_lock = threading.Lock()
         self.started = time.time()
+        self.draining = False  # set when the server leaves: new work gets 503 (Draining)
         # Extra JSON endpoints (e.g. collective weight sync): (method, path) -> fn(body or None) -> dict.
         self.routes: dict[tuple[str, str], Callable[[Any], dict]] = {}
 
@@ -125,19 +148,30 @@ class RolloutService:
         with self._count_lock:
             self._counters[key] += inc
 
+    @property
+    def state(self) -> str:
+        """serving, loading weights or draining (what `hpc-rl rollout list` shows)."""
+        return "draining" if self.draining else self.weight_gate.state
+
+    def _take_work(self) -> None:
+        if self.draining:
+            raise Draining("draining: this server is leaving the run; send the request to another server")
+
     def health(self) -> dict:
-        return {"status": "ok", "engine": self.engine.name, "policy_version": self.policy_version,
-                "model": self.model_path}
+        return {"status": "ok", "state": self.state, "engine": self.engine.name,
+                "policy_version": self.policy_version, "model": self.model_path}
 
     def metrics(self) -> dict:
         with self._count_lock:
             out = dict(self._counters)
-        out.update(policy_version=self.policy_version, engine=self.engine.name,
+        out.update(policy_version=self.policy_version, engine=self.engine.name, state=self.state,
+                   generating=self.weight_gate.active,
                    uptime_s=round(time.time() - self.started, 3))
         return out
 
     async def generate(self, body) -> dict:
         prompts, params = protocol.parse_generate(body, self.vocab, self.max_model_len)
+        self._take_work()
         async with self.weight_gate.generating():
             t0 = time.perf_counter()
             outputs = await self.engine.generate_async(prompts, params)
@@ -162,6 +196,7 @@ class RolloutService:
 
     async def completions(self, body) -> dict:
         """OpenAI-compatible text completion (non-streaming) for people poking a running server."""
+        self._take_work()
         tok = await asyncio.to_thread(self.tokenizer)
         prompts, params, want_lp = protocol.parse_completions(
             body, lambda text: tok(text, add_special_tokens=False)["input_ids"], self.vocab, self.max_model_len)
@@ -191,12 +226,14 @@ class RolloutService:
 
     async def logprobs(self, body) -> dict:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
+        self._take_work()
         async with self.weight_gate.generating():
             lps = await self.engine.prompt_logprobs_async(toks, lens)
             version = self.policy_version
         return {"policy_version": version, "logprobs": lps}
 
     def _swap(self, named: list, version: int) -> None:
+        self._take_work()
         with self.weight_gate.loading():
             self.engine.load_weights(named)
             self.engine.reset_cache()
@@ -275,13 +312,14 @@ def _setup_logging() -> None:
     logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
 
 
-def serve(run_dir: str, index: int, device: str | None = None, role: str = "rollout") -> int:
+def serve(run_dir: str, index: int, device: str | None = None, role: str = "rollout",
+          overrides: list[str] | None = None) -> int:
     """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
-    RUN/rendezvous/done.json; returns the exit code."""
+    RUN/rendezvous/done.json; `overrides` (rollout.* of a rollout job) apply to the run's job.yaml."""
     from ...config import load
 
     run = RunDir(Path(run_dir).resolve())
-    cfg = load(run.job_yaml)
+    cfg = load(run.job_yaml, list(overrides or []))
     token = run.read_token()
     if device is None:
         import torch
@@ -321,22 +359,34 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
     host = advertise_host(cfg.rollout.host)
     name = engine.name if engine is not None else "reward-model"
     info = {"index": index, "host": host, "port": port, "url": f"http://{host}:{port}",
-            "hostname": socket.gethostname(), "pid": os.getpid(), "engine": name, "started": time.time()}
+            "hostname": socket.gethostname(), "pid": os.getpid(), "engine": name, "started": time.time(),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID")}
+    publish = run.rollout_file(index, role)
     run.rendezvous.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run.rollout_file(index, role), info)
+    write_json_atomic(publish, info)
     log.info("%s server %d serving %s (engine %s, bound %s:%d)", role, index, info["url"], name,
              cfg.rollout.host, port)
     while not stop.wait(DONE_POLL_S):
         if run.done_file.exists():
             reason["why"] = "done.json"
             break
+        if not publish.exists():  # the run's job was requeued (its preamble clears rendezvous/): join it again
+            log.info("%s server %d: registration gone (the run restarted?); publishing it again", role, index)
+            write_json_atomic(publish, info)
     log.info("%s server %d stopping (%s)", role, index, reason["why"])
+    # Deregister first, so that no client picks this server up again, then drain.
+    mine = read_json(publish)
+    if mine and mine.get("pid") == os.getpid():
+        publish.unlink(missing_ok=True)
+    if engine is not None and reason["why"] != "done.json":
+        service.draining = True
+        if service.weight_gate.wait_idle(DRAIN_S):
+            log.info("%s server %d drained: no generation in flight", role, index)
+        else:
+            log.warning("%s server %d: generations still running after %.0fs of draining; stopping anyway (the "
+                        "trainer's client re-sends them)", role, index, DRAIN_S)
     httpd.shutdown()
     httpd.server_close()
-    # Remove our rendezvous file so a later client does not wait on a server that is gone.
-    mine = read_json(run.rollout_file(index, role))
-    if mine and mine.get("pid") == os.getpid():
-        run.rollout_file(index, role).unlink(missing_ok=True)
     if engine is not None:
         engine.close()
     return 0
@@ -349,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     ap.add_argument("--role", choices=["rollout", "reward"], default="rollout",
                     help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="a rollout.* override of the run's job.yaml (a rollout job's own engine settings)")
     args = ap.parse_args(argv)
     _setup_logging()
     try:
-        return serve(args.run_dir, args.index, args.device, args.role)
+        return serve(args.run_dir, args.index, args.device, args.role, args.overrides)
     except HpcRlError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,10 +11,17 @@ from .sampling import SampleOut, SamplingParams
 # (a single tensor never splits, so a bucket can be as large as a big model's embedding matrix).
 MAX_JSON_BYTES = 64 * 1024 * 1024
 MAX_WEIGHTS_BYTES = 16 * 1024 * 1024 * 1024
+# How long a leaving (draining) server finishes its generations in flight. Slurm's KillWait (30 s by default)
+# follows SIGTERM with SIGKILL; a preemption warning gives slurm.signal_delay_s.
+DRAIN_S = 20.0
 
 
 class BadRequest(Exception):
     """A malformed request; the message names the field. The server answers 400 with it."""
+
+
+class Draining(Exception):
+    """The server is leaving (its job ends or was preempted) and takes no new work: 503, retried elsewhere."""
 
 
 def _int(v: Any, field: str, lo: int | None = None) -> int:
