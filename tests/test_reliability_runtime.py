@@ -141,8 +141,10 @@ def test_rollout_server_killed_and_another_stopped_run_completes(tmp_path):
 
 def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path):
     """The only server hangs (SIGSTOP: alive, so the launcher does not restart it) -> past the client's
-    timeout and retries the run stops, keeping a checkpoint of the last finished step."""
-    proc, log = _start(tmp_path, "trainer.steps=40", "rollout.request_timeout_s=10", "rollout.retries=1")
+    timeout and retries, and rollout.wait_for_servers_s, the run stops, keeping a checkpoint of the last finished
+    step."""
+    proc, log = _start(tmp_path, "trainer.steps=40", "rollout.request_timeout_s=10", "rollout.retries=1",
+                       "rollout.wait_for_servers_s=3")
     _wait_text(proc, log, r"step 2/40 ")
     stopped = _pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "0")
     os.kill(stopped, signal.SIGSTOP)
@@ -160,6 +162,7 @@ def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path)
     assert len(err) == 1, out[-3000:]
     m = re.search(r"step (\d+): no rollout server answered; checkpoint of step (\d+) kept", err[0])
     assert m, err[0]
+    assert "waiting up to 3s (rollout.wait_for_servers_s) for one to come back or join" in out
     tail = err[0].split("logs/rollout-0.log: ")[1]  # the server's last log lines
     assert "weights" in tail or "serving" in tail or "generate" in tail, err[0]
     kept = int(m.group(2))
@@ -170,6 +173,31 @@ def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path)
     from hpc_rl.train import checkpoint
 
     assert checkpoint.find_latest(RunDir(run)) == checkpoint.step_dir(RunDir(run), kept)
+    assert _no_processes_left(tmp_path)
+
+
+def test_a_run_waits_for_a_rollout_server_that_comes_back(tmp_path):
+    """The only server hangs mid-run; the trainer waits for one (rollout.wait_for_servers_s), the server resumes
+    (SIGCONT), gets the current policy and the run completes every step, none skipped."""
+    steps = 8
+    proc, log = _start(tmp_path, f"trainer.steps={steps}", "rollout.request_timeout_s=10", "rollout.retries=1",
+                       "rollout.wait_for_servers_s=300")
+    _wait_text(proc, log, r"step 2/8 ")
+    stopped = _pid_of(tmp_path, "hpc_rl.rollout.server", "--index", "0")
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        _wait_text(proc, log, r"waiting up to 300s \(rollout.wait_for_servers_s\)")
+        time.sleep(2)  # the trainer is waiting, not yet given up
+    finally:
+        os.kill(stopped, signal.SIGCONT)
+    rc = proc.wait(timeout=300)
+    out = log.read_text(errors="replace")
+    assert rc == 0, out[-4000:]
+    assert re.search(r"rollout server\(s\) http://\S+ answer; the run goes on", out), out[-4000:]
+    rows = read_metrics(_run_dir(tmp_path) / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert [r["policy_version"] for r in rows] == list(range(1, steps + 1))
+    assert "Traceback" not in out
     assert _no_processes_left(tmp_path)
 
 

@@ -217,6 +217,52 @@ def test_a_server_that_registers_mid_run_joins_at_the_next_push(pair, caplog):
         c.close()
 
 
+def test_split_weighted_by_hand():
+    from hpc_rl.rollout.client.rollout_client import split_contiguous, split_weighted
+
+    assert split_weighted(10, [1, 1, 1]) == split_contiguous(10, 3) == [(0, 4), (4, 7), (7, 10)]
+    assert split_weighted(10, [3, 1]) == [(0, 8), (8, 10)]  # 7.5 / 2.5: the tie goes to the first
+    assert split_weighted(8, [300, 100]) == [(0, 6), (6, 8)]
+    assert split_weighted(5, [100, 1, 1]) == [(0, 3), (3, 4), (4, 5)]  # none empty
+    assert split_weighted(7, [0.1, 10]) == [(0, 1), (1, 7)]
+    assert split_weighted(2, [1, 1, 1]) == [(0, 1), (1, 2)]  # fewer items than servers: one each
+
+
+def test_a_joined_server_gets_work_by_its_measured_throughput(pair):
+    """With a rollout job's server in the run (index beyond the job's own), chunk sizes follow each server's
+    measured tokens/s; the per-server token counts come back for the step's metrics."""
+    import threading
+
+    proc = spawn_server(pair.run, 7)
+    c = client_for(pair.run)
+    try:
+        wait_rendezvous(pair.run, 7, proc)
+        c.wait_ready(1, timeout_s=30)  # server 0 of the job's own; 7 joins (before any push: at once)
+        c._rejoin()
+        assert sorted(s.index for s in c._healthy() if s.verified) == [0, 7] and c._elastic()
+        prompts = [[5 + i, 6, 7] for i in range(8)]
+        res = c.generate(prompts, PARAMS, step=1)  # unmeasured: equal shares
+        assert set(res.server_tokens) == {0, 7} and sum(res.server_tokens.values()) == sum(
+            len(s.token_ids) for row in res.outputs for s in row)
+        assert c.servers[0].tokens_per_s > 0 and c.servers[7].tokens_per_s > 0
+        assert c.take_server_tokens() == res.server_tokens and c.take_server_tokens() == {}
+        c.servers[0].tokens_per_s, c.servers[7].tokens_per_s = 300.0, 100.0
+        sizes, lock = [], threading.Lock()
+        real = c._post_json
+
+        def seen(srv, path, body, timeout):
+            with lock:
+                sizes.append((srv.index, len(body["prompt_token_ids"])))
+            return real(srv, path, body, timeout)
+
+        c._post_json = seen
+        c.generate(prompts, PARAMS, step=2)
+        assert sorted(sizes) == [(0, 6), (7, 2)]  # 3:1
+    finally:
+        stop_server(proc)
+        c.close()
+
+
 def test_wait_ready_timeout_names_missing_servers(pair):
     (pair.run.logs / "rollout-2.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
     c = client_for(pair.run)
@@ -241,3 +287,4 @@ def test_done_file_stops_the_server(pair):
     assert not pair.run.rollout_file(0).exists()
     assert "stopping (done.json)" in (pair.run.logs / "rollout-0.log").read_text()
     assert os.path.exists(pair.run.rollout_file(1))  # SIGKILLed servers leave theirs
+

@@ -118,6 +118,14 @@ class BatchMaker:
         gen_tokens = sum(map(sum, masks)) if masks else sum(len(x) for x in resp_ids)
         for event in self.client.membership_events():  # one line per join or leave
             log.info("step %d: %s", step + 1, event)
+        served = self.client.take_server_tokens()
+        total = sum(served.values())
+        # Each server's tokens and share of the step's (with rollout jobs: who did the work).
+        server_stats = {f"server_tokens/{k}": float(n) for k, n in sorted(served.items())}
+        server_stats.update({f"server_share/{k}": n / total for k, n in sorted(served.items()) if total})
+        if debug:
+            log.debug("step %d: tokens per server %s, measured tok/s %s", step + 1, dict(sorted(served.items())),
+                      {k: round(v, 1) for k, v in sorted(self.client.server_throughputs().items())})
         stats = {"response_len": sum(len(x) for x in resp_ids) / len(resp_ids), **turn_stats,
                  "rollout_servers": self.client.live_count(),
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
@@ -125,7 +133,7 @@ class BatchMaker:
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],
                  # Names the exact samples (token ids) in one string: two runs agree on it iff they generated
                  # the same tokens (how resume and reproducibility are checked).
-                 "samples_sha1": hashlib.sha1(json.dumps(resp_ids).encode()).hexdigest()[:16]}
+                 "samples_sha1": hashlib.sha1(json.dumps(resp_ids).encode()).hexdigest()[:16], **server_stats}
         if debug:
             log.debug("step %d: %d prompts x %d samples by policy version %s, response tokens %d, sample: %r -> %r "
                       "(%s)", step + 1, len(idx), a.group_size, sorted(set(versions)), gen_tokens,

@@ -36,7 +36,8 @@ class RolloutPipeline:
 
     def __init__(self, make_batch: Callable[[int], dict], push: Callable[[list, int, tuple | None], dict],
                  async_steps: int, first_step: int, last_step: int, ready: list[dict] | None = None,
-                 wait_timeout_s: float = 3600.0, evaluate: Callable[[int], dict] | None = None):
+                 wait_timeout_s: float = 3600.0, evaluate: Callable[[int], dict] | None = None,
+                 eval_rows: list[dict] | None = None):
         self.make_batch, self._push, self._evaluate = make_batch, push, evaluate
         self.n = async_steps
         self.last_step = last_step
@@ -47,7 +48,7 @@ class RolloutPipeline:
         self._served: int | None = 0 if first_step == 0 else None
         self._pushes: collections.deque = collections.deque()
         self._evals: collections.deque = collections.deque()  # versions to evaluate once served (async)
-        self._eval_rows: list[dict] = []  # finished evaluations the trainer has not taken yet
+        self._eval_rows: list[dict] = list(eval_rows or [])  # finished evaluations the trainer has not taken yet
         self._finishing = False
         self._evaluating: int | None = None  # the version being evaluated now (async)
         self._busy: list[list] = []  # [start, end or None] of generations and pushes: the servers' work
@@ -174,6 +175,12 @@ class RolloutPipeline:
                 log.warning("checkpoint of step %d keeps %d of the %d batches generated ahead (the pipeline is %s)",
                             step, self._next_gen - step, until - step, self._doing)
             return [self._ready[s] for s in sorted(self._ready) if step <= s < until]
+
+    def take_ready(self, step: int) -> list[dict]:
+        """The batches generated for steps >= `step` (after a failure: what a new pipeline starts from), in step
+        order; evaluations finished but not taken stay with eval_rows()."""
+        with self._cond:
+            return [self._ready[s] for s in sorted(self._ready) if s >= step]
 
     def idle_seconds(self, t0: float, t1: float) -> float:
         """Seconds of [t0, t1] in which the servers had neither a generation nor a weight push to do."""

@@ -61,8 +61,13 @@ def request_preemption(*_args) -> None:
     _preempt_requested = True
 
 
+# Waits for rollout servers (rollout.wait_for_servers_s) in a row without a finished step: a step whose generation
+# keeps failing with servers up (a timeout, a bad request) stops the run instead of retrying forever.
+MAX_RECOVERIES = 3
+
+
 class _RolloutStop(Exception):
-    """Raised on every rank at once when rank 0 could not get samples: checkpoint, then stop."""
+    """Raised on every rank at once when rank 0 could not get samples: wait for servers, or checkpoint and stop."""
 
 
 class _FatalStop(Exception):
@@ -184,6 +189,7 @@ class Trainer:
         self.reward_client = None  # the reward nodes' servers (reward.nodes)
         self.maker = None
         self.pipeline = None
+        self._recoveries = 0  # waits for servers since the last finished step (a step that keeps failing stops)
         self.evaluator = None  # eval.source set: the held-out evaluation (rank 0)
         self._eval_failure = None  # the last evaluation failed after training ended: reported at the very end
         self.metrics = None
@@ -212,6 +218,13 @@ class Trainer:
         cfg = self.cfg
         self.client = RolloutClient.from_run_dir(self.run, cfg)
         self.client.wait_ready(cfg.rollout_servers, cfg.rollout.startup_timeout_s)
+        if cfg.rollout_servers == 0:  # rollout.servers_per_node 0: the servers come from rollout jobs
+            log.info("no rollout servers of the job's own: waiting up to %.0fs for rollout jobs' (hpc-rl rollout add "
+                     "%s)", cfg.rollout.server_wait_s, self.run.name)
+            if not self.client.wait_for_servers(cfg.rollout.server_wait_s):
+                raise RolloutError(f"no rollout server joined within {cfg.rollout.server_wait_s:.0f}s "
+                                   f"(rollout.wait_for_servers_s); add one with `hpc-rl rollout add {self.run.name}`, "
+                                   "or give the job its own (rollout.servers_per_node >= 1)")
         if cfg.reward.nodes:
             self.reward_client = RolloutClient.from_run_dir(self.run, cfg, kind="reward")
             self.reward_client.wait_ready(cfg.reward.nodes, cfg.rollout.startup_timeout_s)
@@ -233,14 +246,43 @@ class Trainer:
                      self.evaluator.prompts, cfg.eval.source, cfg.eval.samples_per_prompt, cfg.eval.at_start,
                      cfg.eval.every or "-")
             evaluate = lambda version: self.evaluator.evaluate(version, version)  # noqa: E731 (version = step)
-        self.pipeline = RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, self.step,
-                                        cfg.trainer.steps, ready=pending[:r.async_steps],
-                                        wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1), evaluate=evaluate)
+        self._evaluate = evaluate
+        self.pipeline = self._new_pipeline(self.step, pending[:r.async_steps])
         tracker = None
         if tracking.enabled(cfg):
             tracker = tracking.Tracker(cfg, self.run)
         self.metrics = MetricsWriter(self.run.metrics, self.run.tensorboard if cfg.logging.tensorboard else None,
                                      resume_step=self.step, tracker=tracker)
+
+    def _new_pipeline(self, first_step: int, ready: list[dict], eval_rows: list[dict] | None = None
+                      ) -> RolloutPipeline:
+        r = self.cfg.rollout
+        return RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, first_step, self.cfg.trainer.steps,
+                               ready=ready, wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1),
+                               evaluate=self._evaluate, eval_rows=eval_rows)
+
+    def _servers_back(self, step: int, error: str) -> bool:
+        """No rollout server answered at `step`: wait (rank 0, rollout.wait_for_servers_s) for one to come back or
+        join; then, as a resume does, a new pipeline with the batches already generated and a push of the current
+        policy (which brings the servers to it). Collective; False when none came."""
+        wait = self.cfg.rollout.server_wait_s
+        back = False
+        if self.dist.is_main and wait > 0 and self._recoveries < MAX_RECOVERIES:
+            log.warning("step %d: no rollout server answered (%s); waiting up to %.0fs (rollout.wait_for_servers_s) "
+                        "for one to come back or join", step + 1, error.split(" | ")[0], wait)
+            back = self.client.wait_for_servers(wait)
+        back = broadcast_object(back)
+        if not back:
+            return False
+        self._recoveries += 1
+        sd = policy_state_dict(self.actor, self.lora)
+        if self.dist.is_main:
+            ready, rows = self.pipeline.take_ready(step), self.pipeline.eval_rows()
+            self.pipeline.close()
+            self.pipeline = self._new_pipeline(step, ready[:self.cfg.rollout.async_steps], rows)
+            self.pipeline.push(list(sd.items()), self.policy_version)
+        del sd
+        return True
 
     # ------------------------------------------------------------------ one step
 
@@ -613,6 +655,8 @@ class Trainer:
             try:
                 m = self.train_step(step)
             except _RolloutStop as e:
+                if self._servers_back(step, str(e)):
+                    continue
                 # Keep the finished steps: a checkpoint of the last one (unless it exists), then stop.
                 if self.step > 0 and not checkpoint.step_dir(self.run, self.step).is_dir():
                     self.save_checkpoint()
@@ -626,6 +670,7 @@ class Trainer:
                     raise TrainingError(str(e)) from None
                 return
             self.step = step + 1
+            self._recoveries = 0
             nonfinite = all_reduce_scalar(1.0 if self._skipped_this_step else 0.0, "max") > 0
             self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
             if dist.is_main:

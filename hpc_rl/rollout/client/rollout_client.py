@@ -25,6 +25,10 @@ HEALTH_TIMEOUT_S = 5.0
 # this wait, doubling up to the second value: each probe of a hung server costs the step HEALTH_TIMEOUT_S.
 REPROBE_S = (10.0, 120.0)
 _SEED_MOD = 2**63 - 1
+# Weight of the newest measurement in a server's throughput estimate (tokens/s of its generate requests).
+THROUGHPUT_EWMA = 0.5
+# While waiting for servers: a progress line this often.
+WAIT_LOG_S = 30.0
 
 
 @dataclass
@@ -33,6 +37,7 @@ class GenerateResult:
     policy_versions: list[int]
     tokens_per_s: float
     seconds: float
+    server_tokens: dict = field(default_factory=dict)  # server index -> tokens it generated for this call
 
 
 @dataclass
@@ -47,6 +52,7 @@ class Server:
     # Answered with this run's token at least once (a health probe or a request). Only such servers count in the
     # chunking, so a registration that never answers (a dead address, another run's server) changes no sample.
     verified: bool = False
+    tokens_per_s: float = 0.0  # measured generation throughput (EWMA over its generate requests; 0: none yet)
 
 
 def registration_problem(info, path) -> str | None:
@@ -83,6 +89,31 @@ def split_contiguous(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
     return out
 
 
+def split_weighted(n_items: int, weights: list[float]) -> list[tuple[int, int]]:
+    """[start, end) contiguous chunks, one per weight, sized in proportion (largest remainder), none empty when
+    n_items >= len(weights); equal weights give split_contiguous's chunks."""
+    n = len(weights)
+    if n == 0 or n_items < n or min(weights) <= 0:
+        return split_contiguous(n_items, n)
+    total = sum(weights)
+    exact = [n_items * w / total for w in weights]
+    sizes = [max(1, int(x)) for x in exact]
+    # Hand out (or take back) what rounding left, by the largest remainder (ties: the earlier chunk).
+    order = sorted(range(n), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    k = 0
+    while sum(sizes) < n_items:
+        sizes[order[k % n]] += 1
+        k += 1
+    for i in sorted(range(n), key=lambda i: (sizes[i] - exact[i], i), reverse=True):
+        while sum(sizes) > n_items and sizes[i] > 1:
+            sizes[i] -= 1
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
 def _back(srv: Server) -> None:
     """A server answers again: it takes work, and a later failure starts its re-probe backoff from the start."""
     srv.healthy, srv.reprobe_at, srv.reprobe_wait = True, 0.0, 0.0
@@ -110,8 +141,9 @@ class RolloutClient:
         self.servers: dict[int, Server] = {}
         self._ignored: dict[str, float] = {}  # rendezvous file -> mtime it was warned about
         self._events: list[str] = []  # joins and leaves since membership_events() last took them
+        self._served_tokens: dict[int, int] = {}  # server index -> generated tokens since take_server_tokens()
         self.pushed_version: int | None = None
-        self.expected = 0
+        self.expected: int | None = None  # the job's own servers, once wait_ready knows them
         # (trainer.nodes, rollout.nodes, rollout.servers_per_node): names a missing server's node in errors.
         self.layout: tuple[int, int, int] | None = None
         self.refresh()
@@ -139,6 +171,7 @@ class RolloutClient:
     def refresh(self) -> None:
         """(Re)read RUN/rendezvous/rollout-K.json; a server that restarted on a new port gets a new entry."""
         d = self.run.rendezvous
+        seen = set()
         for f in sorted(d.glob(f"{self.kind}-*.json")) if d.is_dir() else []:
             info = read_json(f)
             why = registration_problem(info, f)
@@ -146,6 +179,7 @@ class RolloutClient:
                 self._ignore(f, why)
                 continue
             idx = int(info.get("index", f.stem.split("-")[-1]))
+            seen.add(idx)
             old = self.servers.get(idx)
             if old is None or old.url != info["url"]:
                 if old is not None:
@@ -154,10 +188,15 @@ class RolloutClient:
                 # (a rollout job's, or a forged file) has not shown it holds the token: either gets no work until
                 # _rejoin (at the next push, which brings it to the current weights) finds it answering.
                 # A restart (a known index at a new address) keeps its place in the chunking.
-                own = self.expected == 0 or idx < self.expected
+                own = self.expected is None or idx < self.expected
                 self.servers[idx] = Server(idx, info["url"], self._session(),
                                            healthy=self.pushed_version is None and own,
                                            verified=old is not None and old.verified)
+        for srv in self.servers.values():
+            # A leaving server deregisters before it drains: it gets no new work (nor a place in a weight push).
+            if srv.healthy and srv.verified and srv.index not in seen and d.is_dir():
+                self._mark_dead(srv, "deregistered: it is draining (its job ended, was removed or preempted)",
+                                failed=False)
 
     def _ignore(self, path, why: str) -> None:
         """Warn once per version of a rendezvous file that is not a registration; it is skipped."""
@@ -188,6 +227,49 @@ class RolloutClient:
         """Servers taking work now."""
         return sum(1 for s in self.servers.values() if s.healthy)
 
+    def take_server_tokens(self) -> dict[int, int]:
+        """Tokens each server generated since the last call (server index -> tokens)."""
+        out, self._served_tokens = self._served_tokens, {}
+        return out
+
+    def server_throughputs(self) -> dict[int, float]:
+        """Each live server's measured generation throughput (tokens/s; 0: not measured yet)."""
+        return {s.index: s.tokens_per_s for s in self.servers.values() if s.healthy}
+
+    def _elastic(self) -> bool:
+        """A server beyond the job's own (a rollout job's) has joined: work is then spread by throughput."""
+        return self.expected is not None and any(s.verified and s.index >= self.expected for s in self.servers.values())
+
+    def wait_for_servers(self, timeout_s: float) -> bool:
+        """With no server taking work: wait up to timeout_s for a registered one to answer /health with this run's
+        token (a progress line every WAIT_LOG_S); True when one does. Before the first push it takes work at once
+        (it holds the initial weights); after, the next weight push brings it in (_rejoin)."""
+        deadline = time.monotonic() + timeout_s
+        t0 = next_log = time.monotonic()
+        while True:
+            self.refresh()
+            found = []
+            for s in self.servers.values():
+                if self._health(s) is not None:
+                    s.reprobe_at, s.reprobe_wait = 0.0, 0.0
+                    found.append(s)
+            if found:
+                if self.pushed_version is None:
+                    for s in found:
+                        self._verified(s)
+                log.info("%s server(s) %s answer; the run goes on", self.kind, ", ".join(s.url for s in found))
+                return True
+            now = time.monotonic()
+            if now >= deadline:
+                return False
+            if now >= next_log:
+                log.info("waiting for %s servers: none answers (%s); %.0fs of %.0fs (rollout.wait_for_servers_s); "
+                         "add one with `hpc-rl rollout add %s`", self.kind,
+                         "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values()) or "none registered",
+                         now - t0, timeout_s, self.run.name)
+                next_log = now + WAIT_LOG_S
+            time.sleep(min(2.0, max(0.0, deadline - now)))
+
     def _health(self, srv: Server) -> dict | None:
         try:
             r = srv.session.get(srv.url + "/health", timeout=HEALTH_TIMEOUT_S)
@@ -197,13 +279,22 @@ class RolloutClient:
         if r.status_code != 200:
             srv.last_error = f"HTTP {r.status_code}: {error_of(r)}"
             return None
-        return r.json()
+        info = r.json()
+        if info.get("state") == "draining":  # it is leaving: no new work
+            srv.last_error = "draining"
+            return None
+        return info
 
     def wait_ready(self, expected: int, timeout_s: float) -> None:
         """Wait for `expected` rendezvous files and a healthy /health on each; RolloutError names the missing."""
         from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
         self.expected = expected
+        for s in self.servers.values():  # (read before the count was known) a registration beyond it must answer
+            if s.index >= expected and not s.verified:
+                s.healthy = False
+        if expected == 0:  # none of the job's own (rollout.servers_per_node 0): see wait_for_servers
+            return
         deadline = time.monotonic() + timeout_s
         ready: set[int] = set()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as prog:
@@ -288,10 +379,10 @@ class RolloutClient:
                      "rejoins" if s.verified else "joins")
             self._verified(s)
 
-    def _mark_dead(self, srv: Server, cause: str) -> None:
+    def _mark_dead(self, srv: Server, cause: str, failed: bool = True) -> None:
         if srv.healthy:
-            log.warning("%s server %d at %s failed (%s); routing its work to the other servers",
-                        self.kind, srv.index, srv.url, cause)
+            log.log(logging.WARNING if failed else logging.INFO, "%s server %d at %s %s (%s); routing its work to "
+                    "the other servers", self.kind, srv.index, srv.url, "failed" if failed else "left", cause)
             self._events.append(f"{self.kind} server {srv.index} at {srv.url} left ({cause})")
         srv.healthy = False
         srv.last_error = cause
@@ -311,9 +402,11 @@ class RolloutClient:
             self._verified(srv)
         return r.json()
 
-    def _run_chunks(self, path: str, bodies: list[dict], what: str) -> list[dict]:
-        """POST one body per chunk, concurrently; a failed chunk moves to another healthy server."""
-        servers = self._healthy()
+    def _run_chunks(self, path: str, bodies: list[dict], what: str, servers: list[Server] | None = None,
+                    served_by: list | None = None) -> list[dict]:
+        """POST one body per chunk, concurrently, chunk i to servers[i] (default: the healthy ones); a failed chunk
+        moves to another healthy server. `served_by` receives (server, seconds) of each chunk."""
+        servers = servers or self._healthy()
         if not servers:
             raise RolloutError(f"{what}: no healthy {self.kind} server ("
                                + "; ".join(f"{s.url}: {s.last_error}" for s in self.servers.values())
@@ -329,8 +422,12 @@ class RolloutClient:
                 # Prefer the chunk's own server, then the next healthy one in index order.
                 live.sort(key=lambda s: (s.index - start) % (max(self.servers) + 1))
                 srv = live[0]
+                t0 = time.perf_counter()
                 try:
-                    return self._post_json(srv, path, bodies[i], self.timeout_s)
+                    res = self._post_json(srv, path, bodies[i], self.timeout_s)
+                    if served_by is not None:
+                        served_by[i] = (srv, time.perf_counter() - t0)
+                    return res
                 except _HTTPFailure as e:
                     tried.append(f"{srv.url} ({e})")
                     self._mark_dead(srv, str(e))
@@ -347,33 +444,53 @@ class RolloutClient:
         # Chunk count follows the configured and the joined servers, not the live ones: a retried chunk keeps its
         # seed and its boundaries, so a dead server does not change the samples (nor does a registration that
         # never answered).
-        return max(self.expected, sum(s.verified for s in self.servers.values()), 1)
+        return max(self.expected or 0, sum(s.verified for s in self.servers.values()), 1)
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, step: int) -> GenerateResult:
         """Samples for every prompt, split across the servers; RolloutError names the server, step and cause."""
         t0 = time.perf_counter()
         if not prompt_token_ids:
             return GenerateResult([], [], 0.0, 0.0)
-        ranges = split_contiguous(len(prompt_token_ids), self._n_chunks())
+        live = self._healthy()
+        if self._elastic() and len([s for s in live if s.verified]) > 1:
+            live = [s for s in live if s.verified]
+            # Servers of rollout jobs may be faster or slower: each gets a share by its measured throughput (the
+            # unmeasured one the mean of the others'). Chunk boundaries then follow timing, so the samples of such a
+            # run are not bit-reproducible; a run of only its own servers keeps equal, fixed chunks.
+            measured = [s.tokens_per_s for s in live if s.tokens_per_s > 0]
+            mean = sum(measured) / len(measured) if measured else 1.0
+            ranges = split_weighted(len(prompt_token_ids), [s.tokens_per_s or mean for s in live])
+        else:
+            ranges = split_contiguous(len(prompt_token_ids), self._n_chunks())
         bodies = []
         for a, b in ranges:
             p = SamplingParams(n=params.n, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, stop_token_ids=list(params.stop_token_ids),
                                seed=chunk_seed(params.seed, a))
             bodies.append(protocol.params_to_json(prompt_token_ids[a:b], p))
-        results = self._run_chunks("/generate", bodies, f"generate at step {step}")
+        served_by: list = [None] * len(bodies)
+        results = self._run_chunks("/generate", bodies, f"generate at step {step}", live, served_by)
         outputs: list[list[SampleOut]] = []
         versions: list[int] = []
-        for (a, b), res in zip(ranges, results):
+        per_server: dict[int, int] = {}
+        for (a, b), res, by in zip(ranges, results, served_by):
             outs = protocol.outputs_from_json(res["outputs"])
             if len(outs) != b - a:
                 raise RolloutError(f"generate at step {step}: a server returned {len(outs)} outputs for "
                                    f"{b - a} prompts; server and client versions differ")
             outputs.extend(outs)
             versions.extend([int(res["policy_version"])] * (b - a))
+            ntok = sum(len(s.token_ids) for row in outs for s in row)
+            srv, seconds = by
+            per_server[srv.index] = per_server.get(srv.index, 0) + ntok
+            self._served_tokens[srv.index] = self._served_tokens.get(srv.index, 0) + ntok
+            if seconds > 0 and ntok:
+                rate = ntok / seconds
+                srv.tokens_per_s = rate if srv.tokens_per_s <= 0 else \
+                    THROUGHPUT_EWMA * rate + (1 - THROUGHPUT_EWMA) * srv.tokens_per_s
         dt = time.perf_counter() - t0
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
-        return GenerateResult(outputs, versions, ntok / dt if dt > 0 else 0.0, dt)
+        return GenerateResult(outputs, versions, ntok / dt if dt > 0 else 0.0, dt, per_server)
 
     def logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy."""
@@ -567,4 +684,5 @@ class RolloutClient:
             s.session.close()
 
 
-__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous"]
+__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous",
+           "split_weighted"]
