@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failed", action="store_true", help="resubmit: the points that failed (they resume)")
     p.add_argument("--sweeps-dir", default="runs/sweeps", help="where sweeps live (default: runs/sweeps)")
 
+    p = sub.add_parser("rollout", help="rollout servers as Slurm jobs of their own: add RUN | list RUN | remove RUN JOBID")
+    p.add_argument("args", nargs="+", metavar="ARG",
+                   help="add RUN [rollout.*=V slurm.*=V] | list RUN | remove RUN JOBID")
+    p.add_argument("--nodes", type=int, default=1, help="add: nodes of the rollout job (default 1)")
+    p.add_argument("--servers-per-node", type=int, help="add: servers per node (default: rollout.servers_per_node)")
+    p.add_argument("--dry-run", action="store_true", help="add: print the job's sbatch script; submit nothing")
+    p.add_argument("--json", action="store_true", help="list: machine-readable output")
+    p.add_argument("--runs-dir", default="runs")
+
     p = sub.add_parser("eval", help="evaluate a run's checkpoints (or an HF folder) on held-out prompts (eval.*)")
     p.add_argument("target", metavar="RUN_OR_MODEL_DIR", help="a run (name or dir), or an HF model folder with --job")
     which = p.add_mutually_exclusive_group()
@@ -128,6 +137,10 @@ def dispatch(args: argparse.Namespace) -> int:
         from .cluster.sweep import sweep_cli
         return sweep_cli(args.args, dry_run=args.dry_run, as_json=args.json, failed=args.failed, follow=args.follow,
                          sweeps_dir=args.sweeps_dir)
+    if args.command == "rollout":
+        from .cluster.rollout_jobs import rollout_cli
+        return rollout_cli(args.args, nodes=args.nodes, servers_per_node=args.servers_per_node, dry_run=args.dry_run,
+                           as_json=args.json, runs_dir=args.runs_dir)
     if args.command == "eval" and (args.submit or args.dry_run):
         if args.job or not args.submit:
             raise ConfigError("hpc-rl eval: --submit evaluates a run's checkpoints (not --job), and --dry-run goes "
@@ -165,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         if getattr(args, "overrides", None) is not None and all("=" in a and not a.startswith("-") for a in extra):
             args.overrides += extra
+        elif args.command == "rollout" and all("=" in a and not a.startswith("-") for a in extra):
+            args.args += extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not args.command:

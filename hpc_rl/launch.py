@@ -157,9 +157,10 @@ def cpu_threads(cfg: JobConfig, processes: int, kind: str, cpus: list[int] | Non
 
 
 def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list | None = None,
-                         cpus: list[int] | None = None, kind: str = "rollout") -> subprocess.Popen:
+                         cpus: list[int] | None = None, kind: str = "rollout",
+                         overrides: list[str] | None = None) -> subprocess.Popen:
     """One rollout server process (kind "reward": a reward node's reward server), pinned to `cpus` when given;
-    its output goes to logs/KIND-K.log."""
+    its output goes to logs/KIND-K.log. `overrides`: a rollout job's rollout.* settings (cfg already has them)."""
     env = _base_env(cfg)
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
@@ -171,6 +172,8 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     cmd = [sys.executable, "-m", "hpc_rl.rollout.server", "--run-dir", str(run.root), "--index", str(index)]
     if kind != "rollout":
         cmd += ["--role", kind]
+    for o in overrides or []:
+        cmd += ["--set", o]
     return subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                             preexec_fn=_die_with_parent(cpus))
 
@@ -210,8 +213,9 @@ class ServerKeeper:
     live ones."""
 
     def __init__(self, run: RunDir, cfg: JobConfig, indices: list[tuple[str, int]], devices: dict | None = None,
-                 cpus: list[int] | None = None):
+                 cpus: list[int] | None = None, overrides: list[str] | None = None):
         self.run, self.cfg = run, cfg
+        self.overrides = list(overrides or [])
         self.devices = devices or {}
         self.cpus = cpus
         self.indices = list(indices)
@@ -222,7 +226,7 @@ class ServerKeeper:
 
     def _start(self, entry: tuple) -> subprocess.Popen:
         kind, k = entry
-        return start_rollout_server(self.run, self.cfg, k, self.devices.get(entry), self.cpus, kind)
+        return start_rollout_server(self.run, self.cfg, k, self.devices.get(entry), self.cpus, kind, self.overrides)
 
     def _serving(self, entry: tuple, p: subprocess.Popen) -> bool:
         info = read_json(self.run.rollout_file(entry[1], entry[0]))
@@ -517,7 +521,7 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
         entries = [("rollout", k) for k in range(first, first + cfg.rollout.servers_per_node)]
     else:  # a reward node: one reward server
         entries = [("reward", node_index - cfg.trainer.nodes - cfg.rollout.nodes)]
-    return _serve_node(run, cfg, node_index, entries)
+    return serve_servers(run, cfg, node_index, entries)
 
 
 def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> dict | None:
@@ -543,9 +547,25 @@ def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> d
     return out
 
 
-def _serve_node(run: RunDir, cfg: JobConfig, node_index: int, entries: list[tuple]) -> int:
-    """A rollout or reward node: keep its servers up until the run is done; a server given up on ends the job."""
-    keeper = ServerKeeper(run, cfg, entries, node_server_devices(cfg, entries))
+# This node's server keeper while serve_servers runs (for drain_servers, called by submitit's signal handler of a
+# rollout job in the same process).
+_node_keepers: list[ServerKeeper] = []
+
+
+def drain_servers(timeout_s: float) -> None:
+    """Preemption of a rollout job: SIGTERM this node's servers (each answers new work with 503, deregisters and
+    finishes its generations in flight) and wait for them; SIGKILL after timeout_s."""
+    for keeper in _node_keepers:
+        keeper.stopped.update(keeper.indices)  # asked for: not restarted, not a failure
+        stop_processes(keeper.procs, grace_s=timeout_s)
+
+
+def serve_servers(run: RunDir, cfg: JobConfig, node_index: int, entries: list[tuple],
+                overrides: list[str] | None = None) -> int:
+    """A rollout or reward node (of the run's job, or of a rollout job with its rollout.* `overrides`): keep its
+    servers up until the run is done; a server given up on ends the job."""
+    keeper = ServerKeeper(run, cfg, entries, node_server_devices(cfg, entries), overrides=overrides)
+    _node_keepers[:] = [keeper]
     servers = keeper.procs
     log.info("node %d (%s): %s", node_index, os.uname().nodename, ", ".join(f"{kind} server {k}" for kind, k in entries))
     try:

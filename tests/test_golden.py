@@ -83,3 +83,17 @@ def test_deepspeed_config(job):
     rendered = {"train": render_deepspeed(cfg, cfg.world_size, device),
                 "reference": render_deepspeed(cfg, cfg.world_size, device, train=False)}
     _check(f"deepspeed/{job.removesuffix('.yaml')}.json", json.dumps(rendered, indent=1, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize("job,nodes,overrides", [
+    ("toy-grpo-cpu.yaml", 1, []),
+    # A preemptible partition, a shorter time limit and the engine's own memory fraction.
+    ("qwen2.5-7b-gsm8k-grpo-lora.yaml", 2, ["slurm.partition=preempt", "slurm.time=04:00:00",
+                                            "rollout.gpu_memory_utilization=0.85"]),
+])
+def test_rollout_job_script(job, nodes, overrides):
+    from hpc_rl.cluster.rollout_jobs import render_rollout_job
+
+    cfg = config.load(REPO / "jobs" / job, overrides)
+    _check(f"sbatch/{job.removesuffix('.yaml')}-rollout-job.sh", _normalized(render_rollout_job(cfg, RUN_DIR, nodes,
+                                                                                                overrides)))

@@ -69,8 +69,8 @@ def test_status_of_local_and_slurm_runs_from_files(tmp_path, capsys):
 
     assert cli.main(["status", "--runs-dir", str(tmp_path)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "NODES"]
-    assert table[1].split() == ["a-done", "COMPLETED", "local", "40/40", "0.850", "0.650@20(offline)"]
+    assert table[0].split() == ["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "SERVERS", "NODES"]
+    assert table[1].split() == ["a-done", "COMPLETED", "local", "40/40", "0.850", "0.650@20(offline)", "-"]
     assert table[2].split()[4:6] == ["0.500", "-"]
 
     assert cli.main(["status", "b-slurm", "--runs-dir", str(tmp_path), "--json"]) == 0  # a unique prefix

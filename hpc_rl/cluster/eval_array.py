@@ -19,6 +19,7 @@ from ..config import JobConfig
 from ..errors import ClusterError
 from ..logs import setup_logging
 from ..rundir import RunDir, read_json, write_json_atomic
+from . import slurmq
 from .env import prepare_node_env
 from .render import executor_params, submitit_command
 
@@ -92,11 +93,7 @@ def submit_eval_array(run: RunDir, cfg: JobConfig, steps: list[int], overrides: 
         print(f"# dry run: nothing submitted; {len(steps)} element(s), checkpoints of steps "
               f"{', '.join(map(str, steps))}")
         return 0
-    import shutil
-
-    if shutil.which("sbatch") is None:
-        raise ClusterError("sbatch not found on PATH: submit from a Slurm login node (or load the slurm module); "
-                           "`hpc-rl eval RUN` without --submit evaluates on this machine")
+    slurmq.need_sbatch("submit", "`hpc-rl eval RUN` without --submit evaluates on this machine")
     folder = run.root / EVAL_SUBMITIT_DIR
     folder.mkdir(parents=True, exist_ok=True)
     executor = submitit.SlurmExecutor(folder=folder)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
+
+from ..errors import ClusterError
 
 # States after which nothing of the job runs any more.
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -29,6 +32,13 @@ def _merge(states: list[str]) -> str | None:
         return active[0]
     bad = [s for s in states if s != "COMPLETED"]
     return bad[0] if bad else "COMPLETED"
+
+
+def need_sbatch(what: str, instead: str) -> None:
+    """ClusterError when sbatch is not on PATH: `what` names the command, `instead` what works without Slurm."""
+    if shutil.which("sbatch") is None:
+        raise ClusterError(f"sbatch not found on PATH: {what} from a Slurm login node (or load the slurm module); "
+                           f"{instead}")
 
 
 def job_state(job_id: str) -> str | None:

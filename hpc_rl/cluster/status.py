@@ -14,6 +14,7 @@ from ..errors import ClusterError, HpcRlError
 from ..metrics import read_metrics
 from ..rundir import RunDir, find, read_json, write_json_atomic
 from . import slurmq
+from .rollout_jobs import ROLLOUT_SUBMITIT_DIR, active_jobs, read_jobs
 from .submit import SLURM_JSON
 
 CANCELLED_JSON = "cancelled.json"
@@ -94,6 +95,9 @@ def run_info(run: RunDir) -> dict:
                  "reward_mean": ev.get("eval/reward_mean")} if ev else None,
         # Written by the first node of each attempt (launch._record_attempt): preemptions/time limits survived.
         "requeues": int((read_json(run.root / "attempts.json") or {}).get("requeues", 0)),
+        # Servers taking work at the last step, and rollout jobs (hpc-rl rollout add) still queued or running.
+        "rollout_servers": m.get("rollout_servers"),
+        "rollout_jobs": len(active_jobs(run)) if read_jobs(run) else 0,
     }
 
 
@@ -114,7 +118,10 @@ def _fmt(info: dict) -> list[str]:
     evs = "-"
     if ev and isinstance(ev.get("pass@1"), (int, float)):
         evs = f"{ev['pass@1']:.3f}@{ev['step']}" + ("(offline)" if ev.get("source") == "offline" else "")
-    return [info["run"], state, info["job_id"] or "local", step, reward, evs, info["nodes"] or ""]
+    servers = "-" if info.get("rollout_servers") is None else str(int(info["rollout_servers"]))
+    if info.get("rollout_jobs"):
+        servers += f" (+{info['rollout_jobs']} job{'s' if info['rollout_jobs'] > 1 else ''})"
+    return [info["run"], state, info["job_id"] or "local", step, reward, evs, servers, info["nodes"] or ""]
 
 
 def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) -> int:
@@ -127,7 +134,7 @@ def show_status(run: str | None, runs_dir: str = "runs", as_json: bool = False) 
     if not infos:
         print(f"no runs in {runs_dir}/ (start one with `hpc-rl run` or `hpc-rl submit`)")
         return 0
-    rows = [["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "NODES"]] + [_fmt(i) for i in infos]
+    rows = [["RUN", "STATE", "JOB", "STEP", "REWARD", "EVAL_P@1", "SERVERS", "NODES"]] + [_fmt(i) for i in infos]
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for r in rows:
         print("  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip())
@@ -141,6 +148,8 @@ def _role_of_log(path: Path, trainer_nodes: int) -> str | None:
     """'trainer'/'rollout'/'reward' for a log file (Slurm's task logs of reward nodes count as rollout: the
     non-trainer side), None for files of the whole job (batch script)."""
     name = path.name
+    if path.parent.name == "submitit" and path.parent.parent.name == "rollout_jobs":
+        return "rollout"  # a rollout job's Slurm logs (hpc-rl rollout add)
     for role in ("trainer", "rollout", "reward"):
         if role in name:
             return role
@@ -154,7 +163,9 @@ def log_files(run: RunDir, role: str = "all") -> list[Path]:
     """The run's log files (submitit task logs, then RUN/logs/*) for `role` (trainer, rollout, reward, all)."""
     slurm = read_json(run.root / SLURM_JSON) or {}
     trainer_nodes = int(slurm.get("trainer_nodes", 1))
-    files = sorted((run.root / "submitit").glob("*.out")) + sorted((run.root / "submitit").glob("*.err"))
+    files = []
+    for folder in (run.root / "submitit", run.root / ROLLOUT_SUBMITIT_DIR):
+        files += sorted(folder.glob("*.out")) + sorted(folder.glob("*.err"))
     if run.logs.is_dir():
         files += sorted(p for p in run.logs.rglob("*") if p.is_file())
     if role == "all":
@@ -218,6 +229,10 @@ def cancel_run(run: str, runs_dir: str = "runs") -> int:
         raise HpcRlError(f"run {rd.name} was not submitted to Slurm (no {SLURM_JSON}); stop a local `hpc-rl run` "
                          "with Ctrl-C in its terminal")
     job_id = str(slurm["job_id"])
+    for job in active_jobs(rd):  # the run's rollout jobs would otherwise wait for a trainer that is gone
+        ok, msg = slurmq.scancel(str(job["job_id"]))
+        print(f"cancelled rollout job {job['job_id']} of run {rd.name}" if ok else
+              f"scancel of rollout job {job['job_id']} failed: {msg}")
     state = slurmq.job_state(job_id)
     if state in slurmq.TERMINAL or state is None:
         print(f"job {job_id} of run {rd.name} already ended ({state or 'unknown to Slurm'})")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 from .. import config
 from ..errors import ClusterError
 from ..rundir import RunDir, write_json_atomic
+from . import slurmq
 from .layout import check_layout, describe, total_nodes
 from .render import SUBMITIT_DIR, executor_params, render
 
@@ -30,10 +30,6 @@ def _print_dry_run(cfg: config.JobConfig) -> None:
     print(f"# dry run: nothing submitted; the run dir would be {placeholder}")
 
 
-def _need_slurm() -> None:
-    if shutil.which("sbatch") is None:
-        raise ClusterError("sbatch not found on PATH: submit from a Slurm login node (or load the slurm module); "
-                           "use `hpc-rl run` to run on this machine or `hpc-rl submit --dry-run` to see the script")
 
 
 def _submit_single(run: RunDir, cfg: config.JobConfig) -> str:
@@ -74,7 +70,8 @@ def submit_job(job_path: str, overrides: list[str], dry_run: bool = False) -> in
     if dry_run:
         _print_dry_run(cfg)
         return 0
-    _need_slurm()
+    slurmq.need_sbatch("submit", "use `hpc-rl run` to run on this machine or `hpc-rl submit --dry-run` to see the "
+                       "script")
     from ..launch import prepare_run
 
     run, cfg = prepare_run(job_path, overrides)

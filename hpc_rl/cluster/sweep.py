@@ -40,6 +40,7 @@ from ..rundir import (
     new_stamped_dir,
     write_json_atomic,
 )
+from . import slurmq
 from .layout import check_layout, total_nodes
 from .render import SUBMITIT_DIR, executor_params, submitit_command
 from .submit import SLURM_JSON
@@ -309,9 +310,7 @@ def run_sweep(path: str, overrides: list[str], dry_run: bool = False) -> int:
     if dry_run:
         _print_dry_run(spec)
         return 0
-    if shutil.which("sbatch") is None:
-        raise ClusterError("sbatch not found on PATH: sweep from a Slurm login node (or load the slurm module); "
-                           "`hpc-rl sweep FILE --dry-run` shows the points and the array script")
+    slurmq.need_sbatch("sweep", "`hpc-rl sweep FILE --dry-run` shows the points and the array script")
     from ..launch import prepare_run
 
     root = _create_sweep_dir(spec.output_dir, spec.name)
