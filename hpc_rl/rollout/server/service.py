@@ -374,12 +374,14 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
             log.info("%s server %d: registration gone (the run restarted?); publishing it again", role, index)
             write_json_atomic(publish, info)
     log.info("%s server %d stopping (%s)", role, index, reason["why"])
-    # Deregister first, so that no client picks this server up again, then drain.
+    # Take no new work, deregister (no client picks this server up again), then drain.
+    draining = engine is not None and reason["why"] != "done.json"
+    if draining:
+        service.draining = True
     mine = read_json(publish)
     if mine and mine.get("pid") == os.getpid():
         publish.unlink(missing_ok=True)
-    if engine is not None and reason["why"] != "done.json":
-        service.draining = True
+    if draining:
         if service.weight_gate.wait_idle(DRAIN_S):
             log.info("%s server %d drained: no generation in flight", role, index)
         else:
