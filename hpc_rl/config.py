@@ -139,6 +139,17 @@ class RewardModelConfig:
 
 
 @dataclass
+class OverlongConfig:
+    """DAPO's soft overlong punishment (https://arxiv.org/abs/2503.14476, eq. 13): a response longer than the length
+    budget minus buffer_tokens loses penalty x (its excess / buffer_tokens), linearly up to penalty at the budget."""
+
+    # The last tokens of the budget over which the penalty grows; 0: off.
+    buffer_tokens: int = 0
+    # The penalty at the budget (DAPO: 1.0, the reward's scale).
+    penalty: float = 1.0
+
+
+@dataclass
 class RewardConfig:
     """Rewards: a callable `pkg.mod:fn(prompt, completion, **row_fields) -> float`, a reward model, or both."""
 
@@ -164,6 +175,8 @@ class RewardConfig:
     normalize: bool = False
     # Clip rewards to [-clip, clip] after scaling/normalizing; null: no clipping.
     clip: float | None = None
+    # DAPO's soft overlong punishment, added to the reward as the part "overlong".
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
 
     @property
     def parts(self) -> list[str]:
@@ -193,6 +206,21 @@ class KLConfig:
     target: float = 0.1
     # Samples over which the adaptive controller moves coef by at most 20%.
     horizon: int = 10000
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476, verl's algorithm.filter_groups): groups whose
+    rewards (the task's, without reward.overlong's penalty) are all equal teach nothing and are dropped; more
+    prompts are generated until the step has trainer.prompts_per_step groups with a reward spread."""
+
+    # Drop groups without a reward spread and generate more.
+    enabled: bool = False
+    # Generation rounds per step at most (the first included); each round asks for as many prompts as are missing.
+    max_gen_batches: int = 4
+    # When the rounds run out short of groups: warn (train on the groups there are, padded with dropped ones to
+    # keep the batch size) or error (stop with a checkpoint).
+    on_exhausted: Literal["warn", "error"] = "warn"
 
 
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # noqa: PYI047 (the registry's names, checked at load)
@@ -237,6 +265,21 @@ class AlgorithmConfig:
     tis_cap: float = 2.0
     # The KL penalty to the reference model.
     kl: KLConfig = field(default_factory=KLConfig)
+    # The policy loss (algos/losses.py POLICY_LOSSES): ppo, the clipped surrogate; cispo, MiniMax-M1's clipped
+    # importance-sampling weight (stop-gradient) x advantage x log-prob: every token keeps its gradient
+    # (https://arxiv.org/abs/2506.13585). Its weight is clipped to [1 - clip_ratio, 1 + clip_ratio_high]; MiniMax-M1
+    # sets no lower bound (clip_ratio: 1.0) and tunes the upper one only.
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    # The importance ratio: per token, or GSPO's length-normalized sequence ratio (https://arxiv.org/abs/2507.18071,
+    # its GSPO-token form: every token's ratio has the sequence's value and its own gradient). GSPO's clip ranges
+    # are about 1000x smaller than PPO's (the paper: clip_ratio 3e-4, clip_ratio_high 4e-4) and it averages per
+    # sequence (loss_agg: seq_mean). Needs sequence-level advantages (grpo, rloo).
+    ratio: Literal["token", "sequence"] = "token"
+    # Leave truncated samples (no stop before the length budget) out of the loss (DAPO's overlong filtering, TRL's
+    # mask_truncated_completions); they still count in their group's advantages.
+    mask_truncated: bool = False
+    # DAPO's dynamic sampling (groups with a reward spread only).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     @property
     def uses_critic(self) -> bool:
@@ -842,7 +885,23 @@ def validate(cfg: JobConfig) -> JobConfig:
              f"(advantages compare samples of the same prompt); got {a.group_size}")
         need(a.kl.in_reward is not True, f"algorithm.kl.in_reward: {a.name} computes advantages from whole-sequence "
              "scores, so the KL penalty cannot go into per-token rewards; use algorithm.kl.in_reward: false (a loss term)")
-    need(0 < a.clip_ratio < 1, f"algorithm.clip_ratio must be in (0, 1); got {a.clip_ratio}")
+    if a.policy_loss == "cispo":  # 1.0: no lower bound on the importance weight
+        need(0 < a.clip_ratio <= 1, f"algorithm.clip_ratio must be in (0, 1] with cispo; got {a.clip_ratio}")
+    else:
+        need(0 < a.clip_ratio < 1, f"algorithm.clip_ratio must be in (0, 1); got {a.clip_ratio}")
+    if a.ratio == "sequence":
+        need(algorithm(a.name).group_baseline,
+             f"algorithm.ratio: sequence (GSPO) weighs whole sequences, so it needs one advantage per sequence (grpo, "
+             f"rloo); {a.name} gives per-token advantages: use algorithm.ratio: token, or algorithm.name: grpo")
+    ds = a.dynamic_sampling
+    if ds.enabled:
+        need(ds.max_gen_batches >= 1, f"algorithm.dynamic_sampling.max_gen_batches must be >= 1 (generation rounds per "
+             f"step, the first included); got {ds.max_gen_batches}")
+        need(a.group_size >= 2, "algorithm.dynamic_sampling needs groups: algorithm.group_size >= 2 (a group of one "
+             f"never has a reward spread); got {a.group_size}")
+        need(cfg.reward.model is None or cfg.reward.model.placement == "server",
+             "algorithm.dynamic_sampling decides on rank 0 before the trainer ranks score: with a reward model use "
+             "reward.model.placement: server")
     need(a.value_clip is None or a.value_clip > 0, f"algorithm.value_clip must be > 0 or null (no clipping); got {a.value_clip}")
     need(a.clip_ratio_high is None or 0 < a.clip_ratio_high < 10,
          f"algorithm.clip_ratio_high must be in (0, 10) (DAPO uses 0.28) or null; got {a.clip_ratio_high}")
@@ -1002,6 +1061,13 @@ def _validate_eval(cfg: JobConfig, need) -> None:
 def _validate_reward(cfg: JobConfig, need) -> None:
     rw, rm = cfg.reward, cfg.reward.model
     need(rw.clip is None or rw.clip > 0, f"reward.clip must be > 0 (or null); got {rw.clip}")
+    ol = rw.overlong
+    need(ol.buffer_tokens >= 0 and ol.penalty >= 0, "reward.overlong.buffer_tokens and reward.overlong.penalty must be "
+         f">= 0; got {ol.buffer_tokens} and {ol.penalty}")
+    budget = cfg.rollout.total_tokens(cfg.data.max_prompt_tokens) if cfg.rollout.env else cfg.rollout.max_new_tokens
+    need(ol.buffer_tokens <= budget, f"reward.overlong.buffer_tokens ({ol.buffer_tokens}) exceeds the response budget "
+         f"({budget} tokens: {'rollout.max_total_tokens' if cfg.rollout.env else 'rollout.max_new_tokens'}); make "
+         "it a part of the budget, e.g. a quarter")
     env = cfg.rollout.env
     need(bool(rw.parts) or bool(env), "reward: neither reward.function nor reward.model is set (nor rollout.env); "
          "give a reward function (pkg.module:function), a reward model (reward.model.path), or both")

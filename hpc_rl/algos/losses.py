@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..config import AlgorithmConfig
@@ -47,6 +49,61 @@ def _float(x: torch.Tensor) -> float:
     return float(x.detach().float().item())
 
 
+# The policy losses algorithm.policy_loss names: fn(log_ratio, logprobs, advantages, clip_low, clip_high) ->
+# (per-token loss, tokens whose ratio was clipped), as verl's POLICY_LOSS_REGISTRY without its config coupling.
+POLICY_LOSSES: dict[str, Callable] = {}
+
+
+def register_policy_loss(name: str) -> Callable:
+    """Register a policy loss under `name` (algorithm.policy_loss)."""
+
+    def deco(fn: Callable) -> Callable:
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return deco
+
+
+@register_policy_loss("ppo")
+def ppo_clip_loss(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+                  clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)) per token; r = exp(log_ratio).
+    Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher: DAPO, https://arxiv.org/abs/2503.14476."""
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+@register_policy_loss("cispo")
+def cispo_loss(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float,
+               clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CISPO: -sg(clip(r, 1-clip_low, 1+clip_high)) * A * log pi per token: the importance weight is clipped, not the
+    update, so every token keeps its gradient (at r = 1 it is PPO's). MiniMax-M1 eq. 4,
+    https://arxiv.org/abs/2506.13585; as verl's compute_policy_loss_cispo
+    (https://github.com/volcengine/verl/blob/main/verl/trainer/ppo/core_algos.py)."""
+    ratio = torch.exp(log_ratio).detach()
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    return -weight * advantages * logprobs, (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+
+
+def importance_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor,
+                         level: str = "token") -> torch.Tensor:
+    """log(pi / pi_old) per valid token (0 on padding), clamped. level "sequence": GSPO's length-normalized sequence
+    ratio in its GSPO-token form, log s_i + log pi - sg(log pi): every token of a sequence has the value of
+    log s_i = mean_t log(pi / pi_old) and the gradient of its own log-prob (Zheng et al. 2025, eq. 13,
+    https://arxiv.org/abs/2507.18071; as verl's compute_policy_loss_gspo)."""
+    m = mask.to(torch.bool)
+    log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))
+    if level == "sequence":
+        per_seq = log_ratio.sum(-1) / m.sum(-1).clamp(min=1)
+        log_ratio = logprobs - logprobs.detach() + per_seq.detach().unsqueeze(-1)
+        log_ratio = torch.where(m, log_ratio, torch.zeros_like(log_ratio))
+    elif level != "token":
+        raise ValueError(f"unknown ratio level {level!r}; expected token or sequence")
+    return log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -56,37 +113,35 @@ def policy_loss(
     agg: str = "token_mean",
     clip_ratio_high: float | None = None,
     is_weights: torch.Tensor | None = None,
+    loss: str = "ppo",
+    ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict]:
-    """PPO clipped surrogate: w * max(-A*r, -A*clip(r, 1-eps_lo, 1+eps_hi)) aggregated over valid tokens.
+    """The policy loss `loss` (POLICY_LOSSES: ppo, cispo) on the `ratio_level` importance ratio (token, or GSPO's
+    sequence ratio), times per-token off-policy weights w (algos.correction.truncated_is_weights; 1 when None),
+    aggregated over valid tokens. clip_ratio_high (DAPO "clip-higher") defaults to clip_ratio.
 
-    r = exp(logprobs - old_logprobs). clip_ratio_high (DAPO "clip-higher") defaults to clip_ratio. w: per-token
-    off-policy weights (algos.correction.truncated_is_weights), 1 when None.
-    stats: clipfrac (share of valid tokens where the clipped term is the larger one, i.e. the
-    gradient is cut), approx_kl (k3 estimator of KL(old || new): mean of (r - 1) - log r, always
-    >= 0, as in CleanRL/SB3), ratio_mean (mean r over valid tokens).
-    Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher: Yu et al. 2025 (DAPO),
-    https://arxiv.org/abs/2503.14476; approx_kl as CleanRL's ppo.py (https://github.com/vwxyzjn/cleanrl).
+    stats: clipfrac (share of valid tokens whose ratio was clipped: for ppo, where the clipped term is the larger
+    one, i.e. the gradient is cut), approx_kl (k3 estimator of KL(old || new) from the token ratios: mean of
+    (r - 1) - log r, always >= 0, as CleanRL's ppo.py), ratio_mean (mean ratio used over valid tokens).
     """
     hi = clip_ratio if clip_ratio_high is None else clip_ratio_high
     m = mask.to(torch.bool)
-    log_ratio = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
+    log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, ratio_level)
     # Zero padding advantages: a NaN there would otherwise turn into NaN gradients through where().
     advantages = torch.where(m, advantages, torch.zeros_like(advantages))
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_ratio, 1.0 + hi)
-    per_token = torch.maximum(unclipped, clipped)
+    per_token, was_clipped = POLICY_LOSSES[loss](log_ratio, logprobs, advantages, clip_ratio, hi)
     if is_weights is not None:
         per_token = per_token * is_weights
-    loss = aggregate(per_token, mask, agg)
+    out = aggregate(per_token, mask, agg)
     with torch.no_grad():
+        token_lr = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs)).clamp(
+            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         stats = {
-            "clipfrac": _float(masked_mean((clipped > unclipped).to(logprobs.dtype), mask)),
-            "approx_kl": _float(masked_mean(ratio - 1.0 - log_ratio, mask)),
-            "ratio_mean": _float(masked_mean(ratio, mask)),
+            "clipfrac": _float(masked_mean(was_clipped.to(logprobs.dtype), mask)),
+            "approx_kl": _float(masked_mean(torch.exp(token_lr) - 1.0 - token_lr, mask)),
+            "ratio_mean": _float(masked_mean(torch.exp(log_ratio), mask)),
         }
-    return loss, stats
+    return out, stats
 
 
 def actor_loss(
@@ -100,12 +155,13 @@ def actor_loss(
     kl_coef: float,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """The actor's loss on one micro-batch: policy_loss (clip_ratio, clip_ratio_high) - entropy_coef * entropy
+    """The actor's loss on one micro-batch: policy_loss (algorithm.policy_loss on the algorithm.ratio level, clip_ratio,
+    clip_ratio_high) - entropy_coef * entropy
     + kl_coef * KL(policy || reference) when ref_logprobs is given (the KL as a loss term, as GRPO does:
     https://arxiv.org/abs/2402.03300), each aggregated by algorithm.loss_agg; is_weights go to policy_loss.
     stats: policy_loss, entropy, kl_loss (with a reference), and policy_loss's."""
     pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, a.clip_ratio, a.loss_agg, a.clip_ratio_high,
-                            is_weights)
+                            is_weights, a.policy_loss, a.ratio)
     loss = pg
     ent = aggregate(entropy, mask, a.loss_agg)
     if a.entropy_coef:

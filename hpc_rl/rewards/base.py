@@ -99,12 +99,12 @@ def describe(values: np.ndarray, prefix: str) -> dict:
 
 def combine_rewards(parts: dict, cfg: RewardConfig) -> tuple[np.ndarray, dict]:
     """The trained-on reward: reward.weights x each part ('function' scores, the reward model's raw 'model_logits'
-    through its transform, the 'environment' rewards of multi-turn rollouts), summed; with each part's statistics
-    (and the monitor's mean, never trained on)."""
+    through its transform, the 'environment' rewards of multi-turn rollouts, the 'overlong' penalty), summed; with
+    each part's statistics (and the monitor's mean, never trained on)."""
     from .model import check_finite, transform
 
     total, stats = None, {}
-    names = cfg.parts + (["environment"] if "environment" in parts else [])
+    names = cfg.parts + [name for name in ("environment", "overlong") if name in parts]
     for name in names:
         if name == "model":
             stats.update(describe(np.asarray(parts["model_logits"], dtype=np.float64), "reward_model_logit"))

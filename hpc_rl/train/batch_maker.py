@@ -13,6 +13,7 @@ import logging
 import os
 import time
 
+from ..algos.shaping import overlong_penalty
 from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
@@ -23,6 +24,7 @@ from ..rollout.environments.loop import Limits, MultiTurnRollout
 from ..rollout.environments.sandbox import SandboxLimits
 from ..rollout.environments.tools import ToolContext
 from ..rollout.wire.sampling import SamplingParams
+from .dynamic_sampling import dynamic_batch
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -68,13 +70,20 @@ class BatchMaker:
 
     def make(self, step: int) -> dict:
         """The batch of `step`: token ids, the engine's log-probs and policy version per sample, the reward parts
-        (unshaped) and stats."""
+        (unshaped) and stats. With algorithm.dynamic_sampling, only groups with a reward spread (more rounds)."""
+        cfg = self.cfg
+        idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
+        if not cfg.algorithm.dynamic_sampling.enabled:
+            return self._generate(step, idx, 0)
+        return dynamic_batch(self, step, idx)
+
+    def _generate(self, step: int, idx: list[int], round_: int) -> dict:
+        """Samples of the prompts `idx` (round_ > 0: an extra round of dynamic sampling, seeds of its own)."""
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         ds = self.dataset
-        idx = indices_for_step(len(ds), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
         params = SamplingParams(n=a.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
-                                seed=(cfg.seed * 1_000_003 + step) % (2**31))
+                                seed=(cfg.seed * 1_000_003 + step + round_ * 7_919_003) % (2**31))
         t0 = time.time()
         parts, extra, turn_stats = {}, {}, {}
         if self.multi_turn is not None:
@@ -87,11 +96,13 @@ class BatchMaker:
             texts = [t.final_text for t in trajs]  # the final answer: what reward functions score
             extra["response_masks"] = [t.mask for t in trajs]
             parts["environment"] = [t.env_reward for t in trajs]
+            truncated = [bool(t.truncated) for t in trajs]
         else:
             res = self.client.generate([ds.token_ids[i] for i in idx], params, step=step)
-            prompt_ids, resp_ids, texts, rows, rollout_lp, versions = [], [], [], [], [], []
+            prompt_ids, resp_ids, texts, rows, rollout_lp, versions, truncated = [], [], [], [], [], [], []
             for i, samples, version in zip(idx, res.outputs, res.policy_versions):
                 for s in samples:
+                    truncated.append(s.finish_reason == "length")
                     prompt_ids.append(ds.token_ids[i])
                     resp_ids.append(list(s.token_ids))
                     rollout_lp.append(list(s.logprobs))
@@ -113,6 +124,11 @@ class BatchMaker:
                 parts["model_logits"] = self.reward_client.score(ids)
             else:
                 extra["reward_model_ids"] = ids  # scored by the trainer ranks
+        ol = cfg.reward.overlong
+        if ol.buffer_tokens:
+            budget = r.total_tokens(cfg.data.max_prompt_tokens) if self.multi_turn is not None else r.max_new_tokens
+            parts["overlong"] = overlong_penalty([len(x) for x in resp_ids], budget, ol.buffer_tokens,
+                                                 ol.penalty).tolist()
         reward_s = time.time() - t1
         masks = extra.get("response_masks")
         gen_tokens = sum(map(sum, masks)) if masks else sum(len(x) for x in resp_ids)
@@ -128,6 +144,7 @@ class BatchMaker:
                       {k: round(v, 1) for k, v in sorted(self.client.server_throughputs().items())})
         stats = {"response_len": sum(len(x) for x in resp_ids) / len(resp_ids), **turn_stats,
                  "rollout_servers": self.client.live_count(),
+                 "truncated_frac": sum(truncated) / len(truncated),
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],
@@ -142,4 +159,4 @@ class BatchMaker:
             stats["reward_model_truncated"] = self.reward_inputs.truncated
             self.reward_inputs.truncated = 0
         return {"step": step, "prompts": prompt_ids, "responses": resp_ids, "rollout_logprobs": rollout_lp,
-                "versions": versions, "reward_parts": parts, "stats": stats, **extra}
+                "versions": versions, "truncated": truncated, "reward_parts": parts, "stats": stats, **extra}

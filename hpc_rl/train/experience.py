@@ -52,6 +52,14 @@ class Batch:
                      self.response_mask.to(device), self.prompt_len)
 
 
+def without_truncated(responses: list[list[int]], truncated: list[bool],
+                      masks: list[list[int]] | None = None) -> list[list[int]]:
+    """Per-token training masks (for pack) with the truncated samples' all 0 (algorithm.mask_truncated: DAPO's
+    overlong filtering, TRL's mask_truncated_completions); their rewards still count in their group's advantages."""
+    return [[0] * len(resp) if cut else (list(masks[i]) if masks else [1] * len(resp))
+            for i, (resp, cut) in enumerate(zip(responses, truncated))]
+
+
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
          masks: list[list[int]] | None = None) -> Batch:
     """Pack token lists; position ids count real tokens only, so left padding does not shift positions.

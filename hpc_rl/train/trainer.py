@@ -44,7 +44,7 @@ from .engines import (
     parameter_counts,
     policy_state_dict,
 )
-from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward
+from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward, without_truncated
 from .micro_batches import MicroBatch, plan, token_counts
 from .rollout_pipeline import RolloutPipeline
 
@@ -402,6 +402,8 @@ class Trainer:
         per_rank = len(payload["prompts"]) // dist.world_size
         rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
         masks = payload.get("response_masks")  # multi-turn: observation tokens are not trained on
+        if self.cfg.algorithm.mask_truncated and "truncated" in payload:
+            masks = without_truncated(payload["responses"], payload["truncated"], masks)
         batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id,
                      masks[rows] if masks else None)
         all_scores = torch.tensor(payload["scores"], dtype=torch.float32)

@@ -1,0 +1,123 @@
+"""DAPO's dynamic sampling on rank 0: generate a step's prompts, keep the groups whose rewards (the task's, without
+the overlong penalty) differ, and generate more prompts (rounds of their own, deterministic in (seed, step, round))
+until trainer.prompts_per_step groups are kept or algorithm.dynamic_sampling.max_gen_batches rounds are spent. The batch then holds exactly
+prompts_per_step groups, so every shape downstream is as without it; a resume replays the same rounds."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+
+from ..algos.shaping import groups_with_spread
+from ..data.sampler import indices_for_step
+from ..errors import TrainingError
+from ..rewards.base import combine_rewards
+
+log = logging.getLogger("hpc_rl")
+
+# Keys of a batch that hold one entry per sample.
+PER_SAMPLE = ("prompts", "responses", "rollout_logprobs", "versions", "truncated", "response_masks",
+              "reward_model_ids")
+
+
+def round_prompts(n_rows: int, count: int, seed: int, step: int, round_: int, shuffle: bool) -> list[int]:
+    """The prompts of extra round `round_` (>= 1) of `step`: a stream of their own, deterministic in its arguments."""
+    return indices_for_step(n_rows, count, seed + 104_729 * round_, step, shuffle)
+
+
+def _take(batch: dict, groups: list[int], g: int) -> dict:
+    """The per-sample entries of `batch` for the groups `groups` (group j: samples j*g .. j*g+g-1)."""
+    rows = [j * g + k for j in groups for k in range(g)]
+    out = {key: [batch[key][i] for i in rows] for key in PER_SAMPLE if key in batch}
+    out["reward_parts"] = {name: [vals[i] for i in rows] for name, vals in batch["reward_parts"].items()}
+    return out
+
+
+def _concat(pieces: list[dict]) -> dict:
+    out: dict = {}
+    for p in pieces:
+        for key, vals in p.items():
+            if key == "reward_parts":
+                parts = out.setdefault("reward_parts", {})
+                for name, v in vals.items():
+                    parts.setdefault(name, []).extend(v)
+            else:
+                out.setdefault(key, []).extend(vals)
+    return out
+
+
+def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
+    """The batch of `step` with algorithm.dynamic_sampling; maker: the BatchMaker (its _generate makes one round)."""
+    cfg = maker.cfg
+    a, ds_cfg = cfg.algorithm, cfg.algorithm.dynamic_sampling
+    g, want = a.group_size, cfg.trainer.prompts_per_step
+    rounds, kept, dropped = [], [], []  # kept/dropped: (round, group) in generation order
+    prompts, consumed, task_sum = idx, 0, 0.0
+    for r in range(ds_cfg.max_gen_batches):
+        batch = maker._generate(step, prompts, r)
+        rounds.append((prompts, batch))
+        consumed += len(prompts)
+        # The task's reward decides, not the overlong penalty (verl's filter_groups metric "acc"): a group whose
+        # answers are all right or all wrong teaches nothing whatever their lengths.
+        task = {name: v for name, v in batch["reward_parts"].items() if name != "overlong"}
+        rewards, _ = combine_rewards(task, cfg.reward)
+        task_sum += float(rewards.sum())
+        for j, spread in enumerate(groups_with_spread(rewards, g)):
+            (kept if spread else dropped).append((r, j))
+        missing = want - len(kept)
+        if missing <= 0:
+            break
+        # Ask for what is missing, scaled by the share of groups kept so far (at most a full step's worth).
+        share = max(len(kept) / consumed, 1 / want)
+        prompts = round_prompts(len(maker.dataset), min(want, math.ceil(missing / share)), cfg.seed, step, r + 1,
+                                cfg.data.shuffle)
+    n_kept = len(kept)
+    if n_kept < want:
+        msg = (f"step {step + 1}: dynamic sampling kept {n_kept} of {want} groups with a reward spread after "
+               f"{len(rounds)} round(s) ({consumed} prompts)")
+        if ds_cfg.on_exhausted == "error":
+            raise TrainingError(f"{msg}; raise algorithm.dynamic_sampling.max_gen_batches, or set "
+                                "algorithm.dynamic_sampling.on_exhausted: warn to train on what there is")
+        log.warning("%s; the batch is filled with %d group(s) without one (zero advantage: they add no policy "
+                    "gradient)", msg, want - n_kept)
+    chosen = (kept + dropped)[:want]
+    pieces = []
+    for r, (_, batch) in enumerate(rounds):
+        groups = [j for rr, j in chosen if rr == r]
+        if groups:
+            pieces.append(_take(batch, groups, g))
+    out = _concat(pieces)
+    first = rounds[0][1]
+    stats = dict(first["stats"])
+    ds = maker.dataset
+    tokens = sum(b["stats"]["gen_tokens_per_s"] * b["stats"]["gen_seconds"] for _, b in rounds)
+    gen_s = sum(b["stats"]["gen_seconds"] for _, b in rounds)
+    for key in [k for k in stats if k.startswith(("server_tokens/", "server_share/"))]:
+        del stats[key]
+    served: dict = {}
+    for _, b in rounds:
+        for k, v in b["stats"].items():
+            if k.startswith("server_tokens/"):
+                served[k] = served.get(k, 0.0) + v
+    total = sum(served.values())
+    stats.update(served)
+    stats.update({k.replace("server_tokens/", "server_share/"): v / total for k, v in served.items() if total})
+    order = [prompts_r[j] for r, (prompts_r, _) in enumerate(rounds) for rr, j in chosen if rr == r]
+    stats.update({
+        "response_len": sum(map(len, out["responses"])) / len(out["responses"]),
+        "truncated_frac": sum(out["truncated"]) / len(out["truncated"]),
+        "gen_seconds": gen_s, "reward_seconds": sum(b["stats"]["reward_seconds"] for _, b in rounds),
+        "gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
+        "prompt_ids": [int(ds.rows[i]["id"]) for i in order],
+        "samples_sha1": hashlib.sha1(json.dumps(out["responses"]).encode()).hexdigest()[:16],
+        "groups_kept_frac": n_kept / (len(kept) + len(dropped)), "gen_batches": float(len(rounds)),
+        # Share of the trained groups that have a reward spread (1 unless the rounds ran out).
+        "groups_with_spread_frac": min(n_kept, want) / want,
+        "prompts_consumed": float(consumed),
+        # The task reward of every sample generated (all rounds: random prompts): how the policy does. The trained
+        # batch's reward_mean is of groups chosen for their spread, so it stays near the middle as the policy learns.
+        "generated_reward_mean": task_sum / (consumed * g),
+    })
+    return {"step": step, **out, "stats": stats}
