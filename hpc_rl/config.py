@@ -700,6 +700,12 @@ class JobConfig:
         return self.rollout.tensor_parallel + (1 if self.reward.on_rollout_servers else 0)
 
     @property
+    def response_budget(self) -> int:
+        """Response tokens a sample may have: rollout.max_new_tokens, or a multi-turn trajectory's total budget."""
+        r = self.rollout
+        return r.total_tokens(self.data.max_prompt_tokens) if r.env else r.max_new_tokens
+
+    @property
     def rollout_servers(self) -> int:
         """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth); rollout jobs'
         servers come on top."""
@@ -1064,7 +1070,7 @@ def _validate_reward(cfg: JobConfig, need) -> None:
     ol = rw.overlong
     need(ol.buffer_tokens >= 0 and ol.penalty >= 0, "reward.overlong.buffer_tokens and reward.overlong.penalty must be "
          f">= 0; got {ol.buffer_tokens} and {ol.penalty}")
-    budget = cfg.rollout.total_tokens(cfg.data.max_prompt_tokens) if cfg.rollout.env else cfg.rollout.max_new_tokens
+    budget = cfg.response_budget
     need(ol.buffer_tokens <= budget, f"reward.overlong.buffer_tokens ({ol.buffer_tokens}) exceeds the response budget "
          f"({budget} tokens: {'rollout.max_total_tokens' if cfg.rollout.env else 'rollout.max_new_tokens'}); make "
          "it a part of the budget, e.g. a quarter")

@@ -3,6 +3,7 @@ MLflow when configured (tracking.py: the same numbers at the same steps)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -21,6 +22,20 @@ STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("monitor_mean", "monitor", "{
              ("rollout_idle_seconds", "rollout idle s", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}"),
              ("eval/step", "eval of step", "{:.0f}"), ("eval/pass@1", "eval pass@1", "{:.3f}"),
              ("eval/reward_mean", "eval reward", "{:.3f}")]
+
+
+def samples_sha1(responses: list[list[int]]) -> str:
+    """Names the exact samples (token ids) in one string: two runs agree on it iff they generated the same tokens
+    (how resume and reproducibility are checked)."""
+    return hashlib.sha1(json.dumps(responses).encode()).hexdigest()[:16]
+
+
+def server_token_stats(served: dict[int, float]) -> dict:
+    """server_tokens/K and server_share/K of a step from {server index: tokens it generated}."""
+    total = sum(served.values())
+    out = {f"server_tokens/{k}": float(n) for k, n in sorted(served.items())}
+    out.update({f"server_share/{k}": n / total for k, n in sorted(served.items()) if total})
+    return out
 
 
 def metric_step(key: str, step: int, metrics: dict) -> int:

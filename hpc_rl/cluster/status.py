@@ -14,7 +14,7 @@ from ..errors import ClusterError, HpcRlError
 from ..metrics import read_metrics
 from ..rundir import RunDir, find, read_json, write_json_atomic
 from . import slurmq
-from .rollout_jobs import ROLLOUT_SUBMITIT_DIR, active_jobs, read_jobs
+from .rollout_jobs import ROLLOUT_SUBMITIT_DIR, active_jobs
 from .submit import SLURM_JSON
 
 CANCELLED_JSON = "cancelled.json"
@@ -97,7 +97,7 @@ def run_info(run: RunDir) -> dict:
         "requeues": int((read_json(run.root / "attempts.json") or {}).get("requeues", 0)),
         # Servers taking work at the last step, and rollout jobs (hpc-rl rollout add) still queued or running.
         "rollout_servers": m.get("rollout_servers"),
-        "rollout_jobs": len(active_jobs(run)) if read_jobs(run) else 0,
+        "rollout_jobs": len(active_jobs(run)),
     }
 
 

@@ -7,8 +7,6 @@ shapes them in step order (Trainer._rewards), so a batch generated ahead needs n
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import logging
 import os
 import time
@@ -17,6 +15,7 @@ from ..algos.shaping import overlong_penalty
 from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
+from ..metrics import samples_sha1, server_token_stats
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.client.rollout_client import RolloutClient
@@ -126,19 +125,14 @@ class BatchMaker:
                 extra["reward_model_ids"] = ids  # scored by the trainer ranks
         ol = cfg.reward.overlong
         if ol.buffer_tokens:
-            budget = r.total_tokens(cfg.data.max_prompt_tokens) if self.multi_turn is not None else r.max_new_tokens
-            parts["overlong"] = overlong_penalty([len(x) for x in resp_ids], budget, ol.buffer_tokens,
+            parts["overlong"] = overlong_penalty([len(x) for x in resp_ids], cfg.response_budget, ol.buffer_tokens,
                                                  ol.penalty).tolist()
         reward_s = time.time() - t1
         masks = extra.get("response_masks")
         gen_tokens = sum(map(sum, masks)) if masks else sum(len(x) for x in resp_ids)
         for event in self.client.membership_events():  # one line per join or leave
             log.info("step %d: %s", step + 1, event)
-        served = self.client.take_server_tokens()
-        total = sum(served.values())
-        # Each server's tokens and share of the step's (with rollout jobs: who did the work).
-        server_stats = {f"server_tokens/{k}": float(n) for k, n in sorted(served.items())}
-        server_stats.update({f"server_share/{k}": n / total for k, n in sorted(served.items()) if total})
+        served = self.client.take_server_tokens()  # with rollout jobs: who did the work
         if debug:
             log.debug("step %d: tokens per server %s, measured tok/s %s", step + 1, dict(sorted(served.items())),
                       {k: round(v, 1) for k, v in sorted(self.client.server_throughputs().items())})
@@ -148,9 +142,7 @@ class BatchMaker:
                  "gen_seconds": gen_s, "reward_seconds": reward_s,
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(ds.rows[i]["id"]) for i in idx],
-                 # Names the exact samples (token ids) in one string: two runs agree on it iff they generated
-                 # the same tokens (how resume and reproducibility are checked).
-                 "samples_sha1": hashlib.sha1(json.dumps(resp_ids).encode()).hexdigest()[:16], **server_stats}
+                 "samples_sha1": samples_sha1(resp_ids), **server_token_stats(served)}
         if debug:
             log.debug("step %d: %d prompts x %d samples by policy version %s, response tokens %d, sample: %r -> %r "
                       "(%s)", step + 1, len(idx), a.group_size, sorted(set(versions)), gen_tokens,

@@ -5,14 +5,13 @@ prompts_per_step groups, so every shape downstream is as without it; a resume re
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 
 from ..algos.shaping import groups_with_spread
 from ..data.sampler import indices_for_step
 from ..errors import TrainingError
+from ..metrics import samples_sha1, server_token_stats
 from ..rewards.base import combine_rewards
 
 log = logging.getLogger("hpc_rl")
@@ -83,11 +82,12 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
         log.warning("%s; the batch is filled with %d group(s) without one (zero advantage: they add no policy "
                     "gradient)", msg, want - n_kept)
     chosen = (kept + dropped)[:want]
-    pieces = []
-    for r, (_, batch) in enumerate(rounds):
+    pieces, order = [], []  # order: the chosen groups' prompts, as the pieces hold them
+    for r, (prompts_r, batch) in enumerate(rounds):
         groups = [j for rr, j in chosen if rr == r]
         if groups:
             pieces.append(_take(batch, groups, g))
+            order += [prompts_r[j] for j in groups]
     out = _concat(pieces)
     first = rounds[0][1]
     stats = dict(first["stats"])
@@ -96,22 +96,20 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
     gen_s = sum(b["stats"]["gen_seconds"] for _, b in rounds)
     for key in [k for k in stats if k.startswith(("server_tokens/", "server_share/"))]:
         del stats[key]
-    served: dict = {}
+    served: dict = {}  # server index -> tokens, over all rounds
     for _, b in rounds:
         for k, v in b["stats"].items():
             if k.startswith("server_tokens/"):
-                served[k] = served.get(k, 0.0) + v
-    total = sum(served.values())
-    stats.update(served)
-    stats.update({k.replace("server_tokens/", "server_share/"): v / total for k, v in served.items() if total})
-    order = [prompts_r[j] for r, (prompts_r, _) in enumerate(rounds) for rr, j in chosen if rr == r]
+                index = int(k.split("/", 1)[1])
+                served[index] = served.get(index, 0.0) + v
+    stats.update(server_token_stats(served))
     stats.update({
         "response_len": sum(map(len, out["responses"])) / len(out["responses"]),
         "truncated_frac": sum(out["truncated"]) / len(out["truncated"]),
         "gen_seconds": gen_s, "reward_seconds": sum(b["stats"]["reward_seconds"] for _, b in rounds),
         "gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         "prompt_ids": [int(ds.rows[i]["id"]) for i in order],
-        "samples_sha1": hashlib.sha1(json.dumps(out["responses"]).encode()).hexdigest()[:16],
+        "samples_sha1": samples_sha1(out["responses"]),
         "groups_kept_frac": n_kept / (len(kept) + len(dropped)), "gen_batches": float(len(rounds)),
         # Share of the trained groups that have a reward spread (1 unless the rounds ran out).
         "groups_with_spread_frac": min(n_kept, want) / want,
