@@ -249,6 +249,9 @@ class _Wandb:
         if status == "preempted":
             self.wb.mark_preempting()
         self.wb.finish(exit_code=0 if status in ("finished", "preempted") else 1)
+        # finish() returns before the service has closed the run's files (their last block is written at the close):
+        # a resume or `hpc-rl sync` reading them now would miss the last steps. teardown waits for the service to end.
+        wandb.teardown()
 
 
 # --------------------------------------------------------------------------- MLflow

@@ -76,6 +76,7 @@ def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path, mo
         for s in steps:
             run.log({"reward_mean": s / 10, "long": "x" * 70_000 if s == 2 else 0.0}, step=s)  # spans 3 blocks
         run.finish()
+        wandb.teardown()  # as a job's end does: finish() returns before the service has written the last block
     dirs = tracking.wandb_run_dirs(tmp_path, "abc12345")
     assert len(dirs) == 2 and tracking.wandb_run_dirs(tmp_path, "other") == []
     hist = [h for d in dirs for h in tracking.wandb_history(d)]
