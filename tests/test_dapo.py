@@ -1,7 +1,7 @@
 """DAPO's recipe end to end on the CPU toy (jobs/toy-dapo-cpu.yaml: dynamic sampling, clip-higher, an overlong
-buffer; here with CISPO and truncated samples masked): it logs what dynamic sampling did each step, trains only
-groups with a reward spread while the rounds last, and a resumed run replays exactly the rounds and samples of an
-uninterrupted one. (That the toy learns to the toys' criterion is not shown yet: issue #29.)"""
+buffer): the toy learns to the toys' criterion and to stop before the buffer; with CISPO and truncated samples
+masked it logs what dynamic sampling did each step, trains only groups with a reward spread while the rounds last,
+and a resumed run replays exactly the rounds and samples of an uninterrupted one."""
 
 import os
 import subprocess
@@ -46,3 +46,22 @@ def test_dynamic_sampling_resume_replays_the_same_rounds(tmp_path):
         if row["gen_batches"] < 4:  # the rounds did not run out: every trained group has a reward spread
             assert row["groups_with_spread_frac"] == 1.0
     assert "groups kept" in r.stdout and "generated reward" in r.stdout  # in the step line
+
+
+def test_toy_dapo_job_learns_and_stops_before_the_overlong_buffer(tmp_path):
+    """The job as users copy it, 80 steps (~80 s): the task reward of every generated sample (the trained batch's is
+    of groups chosen for their spread) rises to the toys' criterion, the samples cut by the budget go from most
+    to almost none, dynamic sampling takes extra rounds as the easy groups stop having a spread, and it says so."""
+    r = _run(tmp_path, JOB, "checkpoint.every=0")
+    (run,) = list((tmp_path / "runs").iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    gen = [row["generated_reward_mean"] for row in rows]
+    trunc = [row["truncated_frac"] for row in rows]
+    first, last5 = gen[0], sum(gen[-5:]) / 5
+    print(f"toy DAPO: generated reward first {first:.3f}, last-5 {last5:.3f}, truncated {trunc[0]:.2f} -> "
+          f"{sum(trunc[-5:]) / 5:.2f}, groups kept {[round(row['groups_kept_frac'], 2) for row in rows[::10]]}")
+    assert last5 >= 0.8 and last5 - first >= 0.6, gen
+    assert trunc[0] >= 0.5 and sum(trunc[-5:]) / 5 <= 0.05, trunc
+    assert all(0 < row["groups_kept_frac"] <= 1 for row in rows)
+    assert max(row["gen_batches"] for row in rows[-10:]) > 1  # the rounds grow as groups turn all-right
+    assert "groups with a reward spread after" in r.stdout + r.stderr  # the warning once the rounds run out
