@@ -10,6 +10,12 @@ KL_KINDS = ("k1", "k2", "k3")
 
 
 
+def k3(x: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 term exp(x) - x - 1 of a log-ratio x, as expm1(x) - x: >= 0 also in floating point (exp(x) - 1
+    rounds to a negative value for x ~ -1e-16)."""
+    return (torch.expm1(x) - x).clamp(min=0.0)
+
+
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
 
@@ -22,8 +28,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k2":
         return 0.5 * log_ratio**2
     if kind == "k3":
-        x = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
-        return torch.exp(x) - x - 1.0
+        return k3((-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 
 from ..config import AlgorithmConfig
-from .kl import kl_estimate
+from .kl import k3, kl_estimate
 from .utils import LOG_RATIO_CLAMP, masked_mean
 
 AGG_MODES = ("token_mean", "seq_mean")
@@ -134,11 +134,10 @@ def policy_loss(
         per_token = per_token * is_weights
     out = aggregate(per_token, mask, agg)
     with torch.no_grad():
-        token_lr = torch.where(m, logprobs - old_logprobs, torch.zeros_like(logprobs)).clamp(
-            -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        token_lr = log_ratio if ratio_level == "token" else importance_log_ratio(logprobs, old_logprobs, mask)
         stats = {
             "clipfrac": _float(masked_mean(was_clipped.to(logprobs.dtype), mask)),
-            "approx_kl": _float(masked_mean(torch.exp(token_lr) - 1.0 - token_lr, mask)),
+            "approx_kl": _float(masked_mean(k3(token_lr), mask)),
             "ratio_mean": _float(masked_mean(torch.exp(log_ratio), mask)),
         }
     return out, stats
