@@ -402,10 +402,10 @@ class Trainer:
         per_rank = len(payload["prompts"]) // dist.world_size
         rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
         masks = payload.get("response_masks")  # multi-turn: observation tokens are not trained on
+        masks = masks[rows] if masks else None
         if self.cfg.algorithm.mask_truncated and "truncated" in payload:
-            masks = without_truncated(payload["responses"], payload["truncated"], masks)
-        batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id,
-                     masks[rows] if masks else None)
+            masks = without_truncated(payload["responses"][rows], payload["truncated"][rows], masks)
+        batch = pack(payload["prompts"][rows], payload["responses"][rows], self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(payload["scores"], dtype=torch.float32)
         rollout_lp = pad_rows(payload["rollout_logprobs"][rows], batch.responses.shape[1])
         return Shard(batch.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
