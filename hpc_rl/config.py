@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import math
 import types
 import typing
@@ -345,8 +346,9 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # DeepSpeed ZeRO stage of actor and critic (3: parameters, gradients and optimizer state sharded).
     zero_stage: Literal[0, 1, 2, 3] = 3
-    # Stop the run after this many steps in a row with a non-finite loss or gradient (each one is skipped).
-    max_nonfinite_steps: int = 3
+    # Stop the run after this many optimizer steps in a row were skipped for a non-finite loss or gradient norm
+    # (each is skipped on every rank alike, at every ZeRO stage, and counted in skipped_updates).
+    max_skipped_in_a_row: int = 3
     # Merged into the rendered DeepSpeed config (any DeepSpeed key).
     deepspeed: dict = field(default_factory=dict)
     # Timeout of the ranks' collectives (torch.distributed) in seconds.
@@ -808,6 +810,14 @@ RENAMED = {
 }
 
 
+# Keys renamed with the same meaning (near enough): read under the new name with a warning, so that the resolved
+# job.yaml of a run written by an earlier version still loads (a resume, an offline evaluation, a requeue).
+MIGRATED = {
+    # now counts optimizer steps skipped in a row rather than RL steps with a skip
+    "trainer.max_nonfinite_steps": "max_skipped_in_a_row",
+}
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -816,6 +826,13 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if dotted in RENAMED:
             raise ConfigError(f"{dotted}: {RENAMED[dotted]}")
+        if dotted in MIGRATED:
+            new = MIGRATED[dotted]
+            if new in data:
+                raise ConfigError(f"{dotted}: renamed {prefix}.{new}, which is also given; remove {dotted}")
+            logging.getLogger("hpc_rl").warning("%s is now %s.%s; read as that (rename it in the job file)",
+                                                dotted, prefix, new)
+            key, dotted = new, f"{prefix}.{new}"
         if key not in names:
             hint = difflib.get_close_matches(str(key), names, n=1, cutoff=0.5)
             fix = f"did you mean '{(prefix + '.') if prefix else ''}{hint[0]}'?" if hint else \
@@ -925,7 +942,7 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(t.warmup_steps >= 0, f"trainer.warmup_steps must be >= 0; got {t.warmup_steps}")
     need(0 <= t.min_lr_ratio <= 1, f"trainer.min_lr_ratio must be in [0, 1]; got {t.min_lr_ratio}")
     need(t.grad_clip >= 0, "trainer.grad_clip must be >= 0 (0 disables clipping)")
-    need(t.max_nonfinite_steps >= 1, "trainer.max_nonfinite_steps must be >= 1")
+    need(t.max_skipped_in_a_row >= 1, f"trainer.max_skipped_in_a_row must be >= 1; got {t.max_skipped_in_a_row}")
     _validate_reward(cfg, need)
     for key, lora in (("model.lora", m.lora), ("model.critic_lora", m.critic_lora)):
         if lora is None:

@@ -49,6 +49,15 @@ class RolloutError(HpcRlError):
     """Rollout servers could not be reached, or answered with an error."""
 
 
+class PolicyNotFiniteError(HpcRlError):
+    """A rollout server's forward of the policy gave non-finite probabilities: the pushed weights are broken, not the
+    server, so the request is not retried elsewhere. `version` is the policy version the server held."""
+
+    def __init__(self, message: str, version: int | None = None):
+        super().__init__(message)
+        self.version = version
+
+
 class TrainingError(HpcRlError):
     """Training cannot continue (e.g. non-finite losses several steps in a row)."""
 

@@ -6,9 +6,10 @@ import sys
 from pathlib import Path
 
 
-def hpc_rl(*args, cwd, timeout=900) -> subprocess.CompletedProcess:
-    """`python -m hpc_rl.cli ARGS` in `cwd`, output captured (unbuffered, so that a timeout keeps what it printed)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def hpc_rl(*args, cwd, timeout=900, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m hpc_rl.cli ARGS` in `cwd`, output captured (unbuffered, so that a timeout keeps what it printed);
+    `env`: variables added to this process's environment."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
     return subprocess.run([sys.executable, "-m", "hpc_rl.cli", *map(str, args)], capture_output=True, text=True,
                           cwd=cwd, env=env, timeout=timeout)
 

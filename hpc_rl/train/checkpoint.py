@@ -147,7 +147,7 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
 
 
 def _prune(run: RunDir, keep_last: int, latest: Path) -> None:
-    steps = sorted((p for p in run.checkpoints.glob("step_*") if p.is_dir()), key=lambda p: int(p.name[5:]))
+    steps = list_checkpoints(run)
     best = best_checkpoint(run)
     for p in steps[:-keep_last]:
         if p != latest and p != best:
@@ -218,6 +218,32 @@ def find_latest(run: RunDir) -> Path | None:
             return c
         log.warning("checkpoint %s is incomplete (files missing or cut short); skipping it", c)
     return None
+
+
+NOT_FINITE_SUFFIX = ".nonfinite"
+
+
+def set_aside(run: RunDir, version: int) -> list[Path]:
+    """Checkpoints of policy `version` or later hold a policy that is not finite: each is renamed step_N.nonfinite
+    (kept for a post-mortem, never resumed: the rename takes it out of list_checkpoints) and `latest` names the
+    newest one left (or is removed). Returns the new paths, oldest first."""
+    moved = []
+    for p in list_checkpoints(run):
+        if int(p.name[5:]) >= version:
+            dst = p.with_name(p.name + NOT_FINITE_SUFFIX)
+            shutil.rmtree(dst, ignore_errors=True)
+            os.rename(p, dst)
+            moved.append(dst)
+    if moved:
+        left = list_checkpoints(run)
+        if left:
+            write_text_atomic(run.checkpoints / "latest", left[-1].name)
+        else:
+            (run.checkpoints / "latest").unlink(missing_ok=True)
+        link = run.checkpoints / "best"
+        if link.is_symlink() and not link.exists():
+            link.unlink()
+    return moved
 
 
 def load_pending(path: Path) -> list[dict]:

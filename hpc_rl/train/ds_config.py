@@ -7,6 +7,7 @@ import json
 
 from ..config import JobConfig
 from ..templating import render as render_template
+from .optimizer import guards_itself
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -32,9 +33,11 @@ def render(cfg: JobConfig, world_size: int, device_kind: str, train: bool = True
     """The DeepSpeed config for an engine of this job (train=False: a frozen inference engine; dtype: its
     precision when not model.dtype)."""
     total, micro, accum = batch_sizes(cfg, world_size)
+    # Where the optimizer guards itself it also clips (after measuring the norm DeepSpeed would not report).
+    grad_clip = 0.0 if guards_itself(cfg) else cfg.trainer.grad_clip
     text = render_template(
         "deepspeed.json.j2",
-        train_batch_size=total, micro_batch_size=micro, grad_accum=accum, grad_clip=cfg.trainer.grad_clip,
+        train_batch_size=total, micro_batch_size=micro, grad_accum=accum, grad_clip=grad_clip,
         dtype=dtype or cfg.model.dtype, zero_stage=cfg.trainer.zero_stage,
         # Tiny CPU models would otherwise keep every (small) parameter whole on every rank.
         param_persistence_threshold=0 if device_kind == "cpu" else 100000)

@@ -12,6 +12,7 @@ from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
 from ..models.lora import CRITIC_HEAD, in_modules, with_adapters
 from . import ds_config
+from .optimizer import make_optimizer
 
 log = logging.getLogger("hpc_rl")
 
@@ -73,11 +74,6 @@ def parameter_counts(model) -> tuple[int, int]:
     return trainable, total
 
 
-def _optimizer(model, lr: float, cfg: JobConfig):
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=lr, betas=tuple(cfg.trainer.betas), weight_decay=cfg.trainer.weight_decay)
-
-
 def lr_factor(step: int, warmup: int, total: int, schedule: str, min_ratio: float) -> float:
     """The multiple of the base learning rate at optimizer step `step` (0-based): linear warm-up over `warmup`
     steps, then constant or a linear/cosine decay that reaches `min_ratio` at step `total` - 1."""
@@ -105,7 +101,7 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
     ds = ds_config.render(cfg, world_size, device_kind)
     model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
     model = _with_lora(model, cfg.model.lora, "model.lora")
-    opt = _optimizer(model, cfg.trainer.lr, cfg)
+    opt = make_optimizer(model, cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep
     return engine
@@ -123,7 +119,7 @@ def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
     model, keep = _from_pretrained(AutoModelForTokenClassification, path, cfg, ds, num_labels=1,
                                    classifier_dropout=0.0)
     model = _with_lora(model, cfg.model.critic_lora, "model.critic_lora", keep_trained=CRITIC_HEAD)
-    opt = _optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
+    opt = make_optimizer(model, cfg.trainer.critic_lr or cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep
     return engine
@@ -162,6 +158,16 @@ def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
     engine.eval()
     engine._hpc_rl_keep = keep
     return engine, tok, label
+
+
+def params_finite(engine) -> bool:
+    """Whether this rank's part of the engine's trainable weights is finite (under ZeRO-3 its partition: the ranks
+    together check every weight once). One device sync."""
+    parts = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters() if p.requires_grad]
+    parts = [t for t in parts if t.numel()]
+    if not parts:
+        return True
+    return not bool(torch.stack([(~torch.isfinite(t)).any() for t in parts]).any())
 
 
 def adapter_state_dict(engine) -> dict[str, torch.Tensor] | None:

@@ -21,7 +21,7 @@ from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.losses import actor_loss, micro_batch_weight, value_loss
 from ..algos.utils import masked_mean
 from ..config import JobConfig
-from ..errors import HpcRlError, RolloutError, TrainingError
+from ..errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingError
 from ..eval.evaluator import EvalLog, Evaluator
 from ..logs import tail_lines
 from ..metrics import MetricsWriter, format_step_line
@@ -42,6 +42,7 @@ from .engines import (
     build_reward_model,
     gather_state_dict,
     parameter_counts,
+    params_finite,
     policy_state_dict,
 )
 from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward, without_truncated
@@ -72,6 +73,30 @@ class _RolloutStop(Exception):
 
 class _FatalStop(Exception):
     """Raised on every rank at once when rank 0's rollout side failed beyond a checkpoint (e.g. a sync check)."""
+
+
+class _PolicyStop(Exception):
+    """Raised on every rank at once when the policy is not finite: after this rank's update (`version` None: nothing
+    of it was pushed or checkpointed), or on a server that holds policy `version` (its checkpoints are set aside)."""
+
+    def __init__(self, message: str, version: int | None = None):
+        super().__init__(message)
+        self.version = version
+
+
+# Fault injection for tests: "STEP:K[,STEP:K...]" makes the loss of the K-th optimizer step of RL step STEP (both
+# 1-based) NaN on every rank, as a numerical blow-up in one mini-batch would (a reward is validated before it
+# could plant one).
+INJECT_NAN_ENV = "HPC_RL_INJECT_NAN_LOSS"
+
+
+def injected_nan_steps() -> set[tuple[int, int]]:
+    raw = os.environ.get(INJECT_NAN_ENV, "")
+    out = set()
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        step, _, k = part.partition(":")
+        out.add((int(step), int(k)))
+    return out
 
 
 @dataclass
@@ -177,8 +202,8 @@ class Trainer:
         self.micro = batch_sizes(cfg, dist.world_size)[1]
         self.step = 0
         self.preempted = False
-        self.nonfinite_in_a_row = 0
-        self._skipped_this_step = False  # set by _update: an optimizer step of this RL step was discarded
+        self.skipped_in_a_row = 0  # optimizer steps discarded in a row (non-finite loss or gradient norm)
+        self._inject_nan = injected_nan_steps()
         self.policy_version = 0
         self.correction = cfg.algorithm.correction(cfg.rollout.async_steps)
         self.old_logprobs_forward = needs_old_logprobs_forward(cfg, self.use_ref, self.correction,
@@ -317,6 +342,7 @@ class Trainer:
         t0 = time.time()
         stats = self._update(shard, fwd, adv, returns, is_weights)
         t_update = time.time() - t0
+        self._check_policy(step, shard, stats)
         stats.update(self._correction_stats(shard, fwd))
         kl_tok = self._kl(fwd)
         computed, real = self._tokens
@@ -341,6 +367,8 @@ class Trainer:
                 self._check_policy_lag(step, payload["versions"])
             except RolloutError as e:  # every server gone past the client's timeouts and retries
                 payload = {"rollout_error": f"{e}{self._server_log_tails()}"}
+            except PolicyNotFiniteError as e:  # the pushed weights, not the servers
+                payload = {"policy_error": str(e), "version": e.version}
             except HpcRlError as e:  # e.g. a failed weight-sync check of the pipeline's last push
                 payload = {"fatal_error": str(e)}
         payload = broadcast_object(payload)
@@ -348,6 +376,10 @@ class Trainer:
             raise _RolloutStop(payload["rollout_error"])
         if "fatal_error" in payload:
             raise _FatalStop(payload["fatal_error"])
+        if "policy_error" in payload:
+            v = payload["version"]
+            raise _PolicyStop(f"step {step + 1}: the policy is not finite on the rollout servers ({payload['policy_error']})",
+                              v if v is not None and v >= 0 else self.policy_version)
         return payload
 
     def _rewards(self, payload: dict) -> None:
@@ -579,6 +611,7 @@ class Trainer:
         sums: dict[str, float] = {}
         count = 0
         skipped = 0
+        opt_step = 0
         grad_norms = []
         self.actor.train()
         if self.critic is not None:
@@ -587,6 +620,8 @@ class Trainer:
         for _epoch in range(a.ppo_epochs):
             order = torch.as_tensor(rng.permutation(n))
             for mb_start in range(0, n, per_rank_mb):
+                opt_step += 1
+                poison = (self.step + 1, opt_step) in self._inject_nan
                 rows = order[mb_start:mb_start + per_rank_mb].to(batch.input_ids.device)
                 mini_mask = batch.response_mask[rows]
                 mbs = self._micro_batches(batch, rows)
@@ -605,8 +640,11 @@ class Trainer:
                         mb_is = is_weights[idx, :w] if is_weights is not None else None
                     loss, st = actor_loss(logp, ent, old_lp[idx, :w], ref_lp[idx, :w] if use_kl_loss else None,
                                           adv[idx, :w], mask, a, self.kl_ctl.value, mb_is)
-                    # A non-finite loss still goes through backward: its NaN gradient norm makes DeepSpeed
-                    # discard the optimizer step on every rank alike (was_step_applied() is False).
+                    if poison and j == 0:
+                        loss = loss * float("nan")
+                    # A non-finite loss still goes through backward: its NaN gradient norm makes the optimizer
+                    # discard the step on every rank alike (was_step_applied() is False; at stage 0 in float32
+                    # the guard is optimizer.GuardedAdamW's).
                     self.actor.backward(loss * weight, scale_wrt_gas=False)
                     self.actor.step()
                     if self.critic is not None:
@@ -627,14 +665,37 @@ class Trainer:
                     grad_norms.append(float(gn))
                 if not applied:
                     skipped += 1
+                self.skipped_in_a_row = 0 if applied else self.skipped_in_a_row + 1
         if fill_old:
             fwd.old_logprobs = old_lp
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out["grad_norm"] = float(np.mean(grad_norms)) if grad_norms else float("nan")
+        out["grad_norm_max"] = max((g if math.isfinite(g) else math.inf for g in grad_norms), default=math.nan)
         out["skipped_updates"] = float(skipped)
         out["lr"] = float(self.actor.get_lr()[0])
-        self._skipped_this_step = skipped > 0
         return out
+
+    def _check_policy(self, step: int, shard: Shard, stats: dict) -> None:
+        """After the update, before anything is pushed or checkpointed: every rank's part of the actor's (and
+        critic's) weights is finite, and so is the actor's forward of one sample of its shard (weights can be finite
+        and still absurd: an lr of 1e30 gives |w| ~ 1e30, whose forward overflows). Collective; _PolicyStop on every
+        rank when either fails."""
+        names = list(self.engines)  # the same order on every rank
+        probe = shard.batch.slice(slice(0, 1))
+        with torch.no_grad():
+            self.actor.eval()
+            lp, _ = policy_forward(self.actor, probe)
+        local = [float(not params_finite(self.engines[n])) for n in names]
+        local.append(float(not bool(torch.isfinite(lp[probe.response_mask > 0]).all())))
+        flags = all_gather_floats(local).reshape(-1, len(local)).max(0)
+        if not flags.any():
+            return
+        bad = [n for n, f in zip(names, flags) if f]
+        why = f"the {' and '.join(bad)}'s weights hold non-finite values" if bad else \
+            "its weights are finite but its forward gives non-finite log-probs"
+        gn = stats.get("grad_norm_max", math.nan)
+        raise _PolicyStop(f"step {step + 1}: the policy is not finite after the update ({why}; lr {self.cfg.trainer.lr:.3g}, "
+                          f"grad_norm {gn:.3g}, {int(stats['skipped_updates'])} optimizer step(s) skipped)")
 
     # ------------------------------------------------------------------ loop
 
@@ -671,22 +732,27 @@ class Trainer:
                     self.pipeline.close()
                     raise TrainingError(str(e)) from None
                 return
+            except _PolicyStop as e:
+                if dist.is_main:
+                    self.pipeline.close()
+                    raise TrainingError(f"{e}; latest checkpoint: {self._roll_back(e.version)}; lower trainer.lr "
+                                        "(or check the reward scale)") from None
+                return
             self.step = step + 1
             self._recoveries = 0
-            nonfinite = all_reduce_scalar(1.0 if self._skipped_this_step else 0.0, "max") > 0
-            self.nonfinite_in_a_row = self.nonfinite_in_a_row + 1 if nonfinite else 0
             if dist.is_main:
-                if nonfinite:
-                    log.warning("step %d: non-finite loss or gradient; optimizer step skipped (%d in a row)",
-                                self.step, self.nonfinite_in_a_row)
+                if m["skipped_updates"]:
+                    log.warning("step %d: non-finite loss or gradient; %d optimizer step(s) skipped (%d in a row at "
+                                "the step's end)", self.step, m["skipped_updates"], self.skipped_in_a_row)
                 self._add_eval_metrics(m, last=self.step == total)
                 self.metrics.write(self.step, m)
                 if self.step % cfg.logging.every == 0 or self.step == total:
                     log.info(format_step_line(self.step, total, m))
-            if self.nonfinite_in_a_row >= cfg.trainer.max_nonfinite_steps:
-                raise TrainingError(f"{self.nonfinite_in_a_row} steps in a row had a non-finite loss or gradient "
-                                    f"(last at step {self.step}); lower trainer.lr, check the reward scale, or "
-                                    "use float32/bfloat16 instead of float16")
+            if self.skipped_in_a_row >= cfg.trainer.max_skipped_in_a_row:
+                raise TrainingError(f"{self.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite "
+                                    f"loss or gradient (the last at step {self.step}; trainer.max_skipped_in_a_row "
+                                    f"{cfg.trainer.max_skipped_in_a_row}); lower trainer.lr, check the reward scale, "
+                                    "or use float32/bfloat16 instead of float16")
             every = cfg.checkpoint.every
             saved = bool(every) and (self.step % every == 0 or self.step == total)
             # keep_best: every evaluated step has a checkpoint that can become the best one.
@@ -713,6 +779,17 @@ class Trainer:
             if self._eval_failure is not None:
                 raise TrainingError(f"training finished (checkpoint kept) but the last evaluation failed: "
                                     f"{self._eval_failure}")
+
+    def _roll_back(self, version: int | None) -> str:
+        """Rank 0, as the run stops for a policy that is not finite: checkpoints of that policy or later (version
+        None: none was written) are set aside; what `latest` names now, in words."""
+        aside = checkpoint.set_aside(self.run, version) if version is not None else []
+        latest = checkpoint.find_latest(self.run)
+        now = latest.name if latest is not None else "none"
+        if aside:
+            now += f", rolled back from {aside[-1].name.removesuffix(checkpoint.NOT_FINITE_SUFFIX)} (kept as " \
+                   f"{', '.join(p.name for p in aside)})"
+        return now
 
     def _add_eval_metrics(self, m: dict, last: bool) -> None:
         """Rank 0: the evaluations finished since the last step join this step's metrics (eval/step names the

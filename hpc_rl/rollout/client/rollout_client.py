@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import requests
 
-from ...errors import RolloutError
+from ...errors import PolicyNotFiniteError, RolloutError
 from ...logs import tail_lines
 from ...netutil import auth_session, error_of
 from ...rundir import RunDir, read_json
@@ -117,6 +117,20 @@ def split_weighted(n_items: int, weights: list[float]) -> list[tuple[int, int]]:
 def _back(srv: Server) -> None:
     """A server answers again: it takes work, and a later failure starts its re-probe backoff from the start."""
     srv.healthy, srv.reprobe_at, srv.reprobe_wait = True, 0.0, 0.0
+
+
+def _not_finite(r: requests.Response) -> int | None:
+    """The policy version of a server's 'policy not finite' answer (-1 when it names none), else None."""
+    if r.status_code != 422:
+        return None
+    try:
+        body = r.json()
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or body.get("error_kind") != protocol.NOT_FINITE_KIND:
+        return None
+    v = body.get("policy_version")
+    return v if isinstance(v, int) and not isinstance(v, bool) else -1
 
 
 class _HTTPFailure(Exception):
@@ -396,6 +410,9 @@ class RolloutClient:
             raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
         if r.status_code >= 500 or r.status_code in (401, 403):  # 401/403: not this run's server (token refused)
             raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
+        not_finite = _not_finite(r)
+        if not_finite is not None:  # the weights are broken, not the server: another server holds the same ones
+            raise PolicyNotFiniteError(f"{self.kind} server {srv.url}: {error_of(r)}", not_finite)
         if r.status_code != 200:
             raise RolloutError(f"{self.kind} server {srv.url} rejected {path} (HTTP {r.status_code}): {error_of(r)}")
         if not srv.verified:

@@ -26,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from ...errors import HpcRlError, first_line
 from ..wire import protocol
-from ..wire.protocol import BadRequest, Draining
+from ..wire.protocol import NOT_FINITE_KIND, BadRequest, Draining, PolicyNotFinite
 
 log = logging.getLogger("hpc_rl")
 
@@ -183,6 +183,12 @@ def make_app(service, token: str) -> Guard:
         service.count("errors")
         log.warning("%s %s: 400 %s", request.method, request.url.path, first_line(e))
         return json_response({"error": first_line(e)}, 400)
+
+    @app.exception_handler(PolicyNotFinite)
+    async def not_finite(request: Request, e: PolicyNotFinite):
+        log.error("%s %s: 422 %s", request.method, request.url.path, first_line(e))
+        return json_response({"error": first_line(e), "error_kind": NOT_FINITE_KIND,
+                              "policy_version": getattr(e, "version", None)}, 422)
 
     @app.exception_handler(Draining)
     async def draining(request: Request, e: Exception):

@@ -16,6 +16,7 @@ import torch
 
 from ...errors import ModelError
 from ...models import load_causal_lm
+from ..wire.protocol import PolicyNotFinite
 from ..wire.sampling import SampleOut, SamplingParams
 from .engine import Engine
 
@@ -127,6 +128,8 @@ class HFEngine(Engine):
         toks, lps = [], []
         for step in range(params.max_new_tokens):
             logits = logits.float()
+            if not bool(torch.isfinite(logits).all()):
+                raise PolicyNotFinite(f"the model's logits are not finite at generated token {step + 1}")
             raw = torch.log_softmax(logits, dim=-1)
             if params.temperature <= 0:
                 tok = logits.argmax(dim=-1)
@@ -179,6 +182,8 @@ class HFEngine(Engine):
             ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
             mask[i, :len(t)] = 1
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+        if not bool(torch.isfinite(logits).all()):
+            raise PolicyNotFinite("the model's logits are not finite")
         logp = torch.log_softmax(logits[:, :-1, :], dim=-1).gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1)
         logp = logp.cpu()
         # Position j predicts token j+1, so tokens[pl:] are scored by positions pl-1 .. len-2 (pl >= 1).

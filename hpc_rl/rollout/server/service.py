@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -32,7 +33,7 @@ from ...errors import HpcRlError
 from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
 from ..wire import protocol
-from ..wire.protocol import DRAIN_S, BadRequest, Draining
+from ..wire.protocol import DRAIN_S, BadRequest, Draining, PolicyNotFinite
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
 from .collective_receiver import register_server_routes
@@ -108,6 +109,14 @@ class WeightGate:
                 self._cond.notify_all()
 
 
+def check_finite(rows: list[list[float]], what: str) -> None:
+    """PolicyNotFinite when a log-prob the engine computed is NaN or +inf (-inf is a possible, impossible token)."""
+    for row in rows:
+        for x in row:
+            if math.isnan(x) or x == math.inf:
+                raise PolicyNotFinite(f"{what}: the engine returned a non-finite log-prob ({x})")
+
+
 class RolloutService:
     """Engine + policy version + staged weight buckets + counters; generations and weight loads pass one gate."""
 
@@ -174,7 +183,7 @@ class RolloutService:
         self._take_work()
         async with self.weight_gate.generating():
             t0 = time.perf_counter()
-            outputs = await self.engine.generate_async(prompts, params)
+            outputs = await self._generate(prompts, params)
             dt = time.perf_counter() - t0
             version = self.policy_version
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
@@ -185,6 +194,21 @@ class RolloutService:
             self._counters["last_batch_tokens_per_s"] = round(ntok / dt, 2) if dt > 0 else 0.0
         log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
         return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
+
+    async def _generate(self, prompts: list[list[int]], params):
+        """The engine's samples; PolicyNotFinite (with this server's policy version) when its forward is not finite."""
+        try:
+            outputs = await self.engine.generate_async(prompts, params)
+            check_finite((s.logprobs for row in outputs for s in row), "generate")
+        except PolicyNotFinite as e:
+            raise self._not_finite(e) from None
+        return outputs
+
+    def _not_finite(self, e: PolicyNotFinite) -> PolicyNotFinite:
+        self.count("errors")
+        out = PolicyNotFinite(f"policy version {self.policy_version} is not finite here: {e}")
+        out.version = self.policy_version
+        return out
 
     def tokenizer(self):
         with self._tok_lock:
@@ -203,7 +227,7 @@ class RolloutService:
         if tok.eos_token_id is not None:
             params.stop_token_ids = [tok.eos_token_id]
         async with self.weight_gate.generating():
-            outputs = await self.engine.generate_async(prompts, params)
+            outputs = await self._generate(prompts, params)
             version = self.policy_version
         choices, ntok = [], 0
         for row in outputs:
@@ -228,7 +252,11 @@ class RolloutService:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
         self._take_work()
         async with self.weight_gate.generating():
-            lps = await self.engine.prompt_logprobs_async(toks, lens)
+            try:
+                lps = await self.engine.prompt_logprobs_async(toks, lens)
+                check_finite(lps, "logprobs")
+            except PolicyNotFinite as e:
+                raise self._not_finite(e) from None
             version = self.policy_version
         return {"policy_version": version, "logprobs": lps}
 

@@ -20,6 +20,14 @@ class BadRequest(Exception):
     """A malformed request; the message names the field. The server answers 400 with it."""
 
 
+class PolicyNotFinite(Exception):
+    """The engine's forward gave non-finite probabilities (the weights it holds are broken). The server answers 422
+    with error_kind NOT_FINITE_KIND and its policy version; the client stops instead of trying another server."""
+
+
+NOT_FINITE_KIND = "policy_not_finite"
+
+
 class Draining(Exception):
     """The server is leaving (its job ends or was preempted) and takes no new work: 503, retried elsewhere."""
 
