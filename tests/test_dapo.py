@@ -12,6 +12,8 @@ import pytest
 
 from hpc_rl.metrics import read_metrics
 
+from . import golden_samples
+
 REPO = Path(__file__).resolve().parent.parent
 JOB = str(REPO / "jobs" / "toy-dapo-cpu.yaml")
 pytestmark = pytest.mark.slow
@@ -54,6 +56,7 @@ def test_toy_dapo_job_learns_and_stops_before_the_overlong_buffer(tmp_path):
     to almost none, dynamic sampling takes extra rounds as the easy groups stop having a spread, and it says so."""
     r = _run(tmp_path, JOB, "checkpoint.every=0")
     (run,) = list((tmp_path / "runs").iterdir())
+    golden_samples.check("toy-dapo-cpu", run)
     rows = read_metrics(run / "metrics.jsonl")
     gen = [row["generated_reward_mean"] for row in rows]
     trunc = [row["truncated_frac"] for row in rows]

@@ -11,6 +11,8 @@ import pytest
 
 from hpc_rl.metrics import read_metrics
 
+from . import golden_samples
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -24,6 +26,7 @@ def test_toy_eval_job_generalizes_to_held_out_pairs(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "shares" not in r.stdout + r.stderr  # train and eval prompts are disjoint: no warning
     (run,) = list((tmp_path / "runs").iterdir())
+    golden_samples.check("toy-grpo-eval-cpu", run, steps=10)  # with the evaluations of steps 0 and 10
     evals = read_metrics(run / "eval.jsonl")
     steps = [e["step"] for e in evals]
     p1 = [e["eval/pass@1"] for e in evals]

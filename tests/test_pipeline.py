@@ -18,6 +18,8 @@ from hpc_rl.eval.pass_at_k import pass_at_k
 from hpc_rl.metrics import read_metrics
 from tests.runs import hpc_rl, only_run
 
+from . import golden_samples
+
 REPO = Path(__file__).resolve().parent.parent
 TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
 pytestmark = pytest.mark.slow
@@ -38,6 +40,11 @@ def short_run(tmp_path_factory):
                "trainer.sync_tolerance=1e-4", *EVAL, cwd=cwd)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return cwd, only_run(cwd), r
+
+
+def test_samples_and_evaluations_equal_the_golden_ones(short_run):
+    """GRPO with evaluations at steps 0, 2 and 4 (tests/golden_samples.py)."""
+    golden_samples.check("toy-grpo-eval-short", short_run[1], steps=4)
 
 
 def test_one_line_per_step_from_rank_0(short_run):

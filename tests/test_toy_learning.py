@@ -11,6 +11,8 @@ import pytest
 
 from hpc_rl.metrics import read_metrics
 
+from . import golden_samples
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
@@ -27,6 +29,7 @@ def test_toy_job_learns(job, extra, tmp_path):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
+    golden_samples.check(job.removesuffix(".yaml") + ("-async" if extra else ""), run)
     rewards = [row["reward_mean"] for row in read_metrics(run / "metrics.jsonl")]
     first, last5 = rewards[0], sum(rewards[-5:]) / 5
     if extra:  # the staleness bound of every step
@@ -45,6 +48,7 @@ def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
+    golden_samples.check("toy-ppo-rm-cpu", run)
     rows = read_metrics(run / "metrics.jsonl")
     monitor = [row["monitor_mean"] for row in rows]
     assert all("reward_function_mean" not in row and "reward_model_logit_mean" in row for row in rows)
