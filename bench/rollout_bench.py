@@ -131,9 +131,10 @@ def bench_collective(eng, named) -> dict:
     from hpc_rl.rollout.client.collective_sender import CollectiveSender
     from hpc_rl.rollout.server.collective_receiver import register_server_routes
     from hpc_rl.rollout.server.service import RolloutService, make_http_server
+    from hpc_rl.rollout.wire.protocol import RequestLimits
     from hpc_rl.rundir import RunDir
 
-    service = RolloutService(eng, RunDir(Path(tempfile.mkdtemp(prefix="bench-run-"))), eng.path, 256, None)
+    service = RolloutService(eng, RunDir(Path(tempfile.mkdtemp(prefix="bench-run-"))), eng.path, RequestLimits(256), None)
     register_server_routes(service)
     httpd = make_http_server(service, "b", "127.0.0.1", 0)
     th = threading.Thread(target=httpd.serve_forever, daemon=True)

@@ -432,6 +432,18 @@ class RolloutConfig:
     request_timeout_s: float = 300.0
     # Retries of a failed request on other servers.
     retries: int = 2
+    # Samples one request may ask a server for (prompts x n); a larger request is refused with 400 (the trainer's
+    # client splits its work to fit). Bounds what one request can make a server hold.
+    max_samples_per_request: int = 1024
+    # Tokens one request may ask for: its prompt tokens plus n x max_new_tokens per prompt; past it, 400. null:
+    # max_samples_per_request x max_model_len (no bound beyond the sample count).
+    max_tokens_per_request: int | None = None
+    # Requests a server holds at once (running or queued); one more is answered 429 with Retry-After, which the
+    # client treats as "try another server, or again shortly".
+    max_requests_in_flight: int = 256
+    # HF engine: samples generated together in one batch; a larger request is generated in chunks of this many,
+    # taking turns with other requests, so that one large request cannot starve small ones.
+    hf_batch_samples: int = 256
     # Seconds to wait for every rollout server to come up.
     startup_timeout_s: float = 900.0
     # Seconds the trainer waits, with no rollout server left (or none yet: servers_per_node 0), for one to come
@@ -985,6 +997,12 @@ def validate(cfg: JobConfig) -> JobConfig:
     need(r.temperature > 0, f"rollout.temperature must be > 0; got {r.temperature}")
     need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1]; got {r.top_p}")
     need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(r.max_samples_per_request >= 1, f"rollout.max_samples_per_request must be >= 1; got {r.max_samples_per_request}")
+    need(r.max_tokens_per_request is None or r.max_tokens_per_request >= r.max_model_len,
+         f"rollout.max_tokens_per_request must be >= rollout.max_model_len ({r.max_model_len}) or null; got "
+         f"{r.max_tokens_per_request}")
+    need(r.max_requests_in_flight >= 1, f"rollout.max_requests_in_flight must be >= 1; got {r.max_requests_in_flight}")
+    need(r.hf_batch_samples >= 1, f"rollout.hf_batch_samples must be >= 1; got {r.hf_batch_samples}")
     need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
     need(r.kv_cache_bytes is None or r.kv_cache_bytes >= 0,
          f"rollout.kv_cache_bytes must be >= 0 bytes (null derives it from the job); got {r.kv_cache_bytes}")

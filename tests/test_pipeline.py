@@ -255,3 +255,32 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(tmp_path):
     init_like = read_metrics(run / "metrics.jsonl")
     assert [x["step"] for x in init_like] == [1]
     assert init_like[0]["skipped_updates"] == 4
+
+
+FORMAT1 = REPO / "tests" / "fixtures" / "checkpoint-format1"
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
+    """tests/fixtures/checkpoint-format1 is a run dir written by hpc-rl before the typed rollout batch (a 1-layer
+    tiny model, 3 steps of async GRPO with reward normalization; its step_2 checkpoint holds step 3's batch, generated
+    ahead, as a format-1 dict, and the shaper's running statistics). Resumed by this version, step 3 trains on that
+    stored batch: its samples and reward are the original run's (its metrics.jsonl still has step 3)."""
+    import secrets
+    import shutil
+
+    run = tmp_path / "runs" / "ckpt-v1-20261204-205842"
+    shutil.copytree(FORMAT1, run)
+    job = run / "job.yaml"
+    job.write_text(job.read_text().replace("RUN_DIR", str(run)))
+    (run / "token").write_text(secrets.token_hex(32))
+    os.chmod(run / "token", 0o600)
+    os.chmod(run, 0o700)
+    original = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in original] == [1, 2, 3]
+    r = hpc_rl("run", job, "--resume", run, cwd=tmp_path)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "resumed from" in r.stdout and "step 2, 1 batch(es) generated ahead" in r.stdout
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in rows] == [1, 2, 3]
+    for key in ("samples_sha1", "reward_mean", "prompt_ids", "policy_version"):
+        assert rows[2][key] == original[2][key], key

@@ -18,6 +18,7 @@ from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
 from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
+from tests import server_abuse
 from tests.logprob_checks import local_logprobs, perturbed, served_logprobs
 
 pytestmark = pytest.mark.slow
@@ -31,7 +32,7 @@ TOL = 1e-5
 def srv(tmp_path_factory):
     base = tmp_path_factory.mktemp("rollout-server")
     model_dir = build_tiny_model(TinyModelConfig(), CORPUS, base / "tiny")
-    run = make_run(base / "runs", model_dir, max_model_len=32, weight_sync="http")
+    run = make_run(base / "runs", model_dir, max_model_len=32, weight_sync="http", max_samples_per_request=512)
     t0 = time.monotonic()
     proc, info = start_server(run, 0, timeout_s=120)
     s = requests.Session()
@@ -305,6 +306,14 @@ def test_metrics(srv):
     assert m["weight_updates"] >= 3 and m["policy_version"] == 60 and m["engine"] == "hf"
 
 
+def test_malformed_inputs_are_4xx_naming_the_field(srv):
+    server_abuse.check_malformed_inputs_are_4xx_naming_the_field(srv, samples_limit=512)
+
+
+def test_fuzzed_bodies_never_get_a_5xx(srv):
+    server_abuse.fuzz_bodies_never_5xx(srv, examples=150)
+
+
 def test_sigterm_drains_generations_in_flight(srv):
     """SIGTERM: /health says draining, new work gets 503 (the client sends it elsewhere), the registration goes
     at once, and the generation in flight still completes before the server exits 0."""
@@ -335,3 +344,69 @@ def test_sigterm_drains_generations_in_flight(srv):
     assert srv.proc.wait(30) == 0
     text = (srv.run.logs / "rollout-0.log").read_text()
     assert "stopping (SIGTERM)" in text and "drained: no generation in flight" in text
+
+
+@pytest.fixture(scope="module")
+def long_srv(tmp_path_factory):
+    """A server whose largest allowed request takes seconds: 64 samples of 240 tokens, generated in chunks of 16
+    (rollout.hf_batch_samples)."""
+    base = tmp_path_factory.mktemp("long-server")
+    model_dir = build_tiny_model(TinyModelConfig(max_position_embeddings=256), CORPUS, base / "tiny")
+    run = make_run(base / "runs", model_dir, max_model_len=256, max_samples_per_request=64, hf_batch_samples=16,
+                   max_requests_in_flight=2)
+    proc, info = start_server(run, 0, timeout_s=120)
+    s = requests.Session()
+    s.headers["Authorization"] = "Bearer " + run.read_token()
+    ns = type("Srv", (), {})()
+    ns.run, ns.proc, ns.url, ns.s = run, proc, info["url"], s
+    # Greedy: the random model's argmax never reaches its EOS from these prompts, so every row runs to the limit.
+    ns.large = {**server_abuse.long_request(ns, 64, 240), "temperature": 0.0}
+    ns.large_s = server_abuse.time_alone(ns, ns.large)
+    yield ns
+    stop_server(proc)
+
+
+def test_a_dropped_request_frees_the_server(long_srv):
+    """The largest request, dropped by its client after a moment: the engine stops at its next decode step, so a
+    small request sent then is answered in under a quarter of the time the large one takes alone (it would wait
+    for all of it, ~{large_s}, if the work went on)."""
+    small_s = server_abuse.check_dropped_request_frees_the_server(long_srv, long_srv.large, long_srv.large_s)
+    print(f"HF engine: large request alone {long_srv.large_s:.2f}s; small request after dropping it {small_s:.2f}s")
+    assert small_s < long_srv.large_s / 4, (small_s, long_srv.large_s)
+
+
+def test_a_small_request_is_not_starved_by_a_large_one(long_srv):
+    """Beside the largest allowed request (4 chunks of 16 rows), a small one waits for the chunk in progress at
+    most: under half the large request's time alone."""
+    small_s = server_abuse.check_small_request_beside_large_one(long_srv, long_srv.large)
+    print(f"HF engine: large request alone {long_srv.large_s:.2f}s; small request beside it {small_s:.2f}s")
+    assert small_s < long_srv.large_s / 2, (small_s, long_srv.large_s)
+
+
+def test_past_the_in_flight_limit_a_request_is_told_to_come_back(long_srv):
+    """rollout.max_requests_in_flight 2: while two requests run, a third gets 429 with Retry-After at once; the
+    trainer's client waits as told and is served once one of them is done."""
+    import threading
+
+    from hpc_rl.rollout.wire.sampling import SamplingParams
+
+    codes = []
+    hogs = [threading.Thread(target=lambda: codes.append(long_srv.s.post(long_srv.url + "/generate", json=long_srv.large,
+                                                                           timeout=600).status_code)) for _ in range(2)]
+    for t in hogs:
+        t.start()
+    deadline = time.monotonic() + 30
+    while long_srv.s.get(long_srv.url + "/metrics", timeout=5).json()["in_flight"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    t0 = time.monotonic()
+    r = long_srv.s.post(long_srv.url + "/generate", json=server_abuse.SMALL, timeout=30)
+    assert r.status_code == 429 and r.headers["retry-after"] == "1" and time.monotonic() - t0 < long_srv.large_s / 4
+    assert "rollout.max_requests_in_flight 2" in server_abuse.error(r)
+    client = RolloutClient(long_srv.run, long_srv.run.read_token(), timeout_s=600, retries=0)
+    res = client.generate([[8, 9]], SamplingParams(max_new_tokens=2, seeds=[2]), step=0)
+    waited = time.monotonic() - t0
+    for t in hogs:
+        t.join()
+    assert codes == [200, 200] and len(res.outputs) == 1
+    assert waited > long_srv.large_s / 2  # it was served after a hog finished, not refused
+    assert long_srv.s.get(long_srv.url + "/metrics", timeout=5).json()["refused_busy"] >= 2

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from hpc_rl.netutil import advertise_host
-from hpc_rl.rollout.client.rollout_client import chunk_seed, split_contiguous
+from hpc_rl.orchestrator import seeds
+from hpc_rl.rollout.client.rollout_client import split_contiguous
 from hpc_rl.rollout.server.engine_hf import filter_logits
 from hpc_rl.rollout.wire import protocol
 from hpc_rl.rollout.wire.weights import (
@@ -53,10 +54,26 @@ def test_split_contiguous():
     assert split_contiguous(4, 1) == [(0, 4)]
 
 
-def test_chunk_seed():
-    assert chunk_seed(None, 3) is None
-    assert chunk_seed(7, 0) == chunk_seed(7, 0)
-    assert len({chunk_seed(7, 0), chunk_seed(7, 4), chunk_seed(8, 0)}) == 3
+def test_seeds_are_stable_distinct_and_fit_a_generator():
+    # Values are fixed across machines and Python versions (a resumed run on another node samples the same).
+    assert seeds.mix(1, 2, 3) == seeds.mix(1, 2, 3) == 758583703777463672
+    train = seeds.training(1, 0).prompts(64)
+    all_ = (train + seeds.training(1, 1).prompts(64) + seeds.training(1, 0, 1).prompts(64)
+            + seeds.training(2, 0).prompts(64) + seeds.evaluation(1, 0).prompts(64)
+            + [seeds.training(1, 0).turn(i, t) for i in range(8) for t in range(8)]
+            + [seeds.evaluation(1, 0).turn(i, t) for i in range(8) for t in range(8)])
+    assert len(set(all_)) == len(all_)  # no two purposes, steps, rounds, positions or turns share one
+    assert all(0 <= s < 2**62 for s in all_)
+    assert seeds.training(1, 0).prompts(8) == train[:8]  # a prompt's seed does not depend on how many come after
+
+
+def test_a_prompt_keeps_its_seed_in_any_request():
+    from hpc_rl.rollout.wire.sampling import SamplingParams
+
+    p = SamplingParams(n=4, seed=100)
+    assert [p.prompt_seed(i) for i in range(3)] == [100, 104, 108]  # vLLM's children: seed + j
+    p = SamplingParams(n=4, seed=100, seeds=[7, 9])
+    assert [p.prompt_seed(i) for i in range(2)] == [7, 9]
 
 
 SPECS = {"a.weight": ((2, 3), torch.float32), "b.ids": ((4,), torch.int64)}
@@ -102,7 +119,7 @@ def test_write_version_load_and_prune(tmp_path):
 
 def test_parse_generate_errors_name_the_field():
     ok = {"prompt_token_ids": [[1, 2], [3]], "n": 2, "max_new_tokens": 4}
-    prompts, p = protocol.parse_generate(ok, vocab=10, max_model_len=6)
+    prompts, p = protocol.parse_generate(ok, 10, protocol.RequestLimits(6))
     assert prompts == [[1, 2], [3]] and p.n == 2 and p.top_k == -1 and p.seed is None
     cases = [
         ({**ok, "prompt_token_ids": [[1], [1, 2, 3]]}, r"prompt_token_ids\[1\]: 3 prompt tokens"),
@@ -114,21 +131,54 @@ def test_parse_generate_errors_name_the_field():
         ({**ok, "top_p": 1.5}, "top_p: must be in"),
         ({**ok, "temperature": "hot"}, "temperature: expected a number"),
         ({**ok, "stop_token_ids": ["x"]}, "stop_token_ids"),
+        ({**ok, "stop_token_ids": [10]}, r"stop_token_ids\[0\]: must be <= 9"),
+        ({**ok, "temperature": math.nan}, "temperature: nan is not a finite number"),
+        ({**ok, "top_p": math.inf}, "top_p: inf is not a finite number"),
+        ({**ok, "seed": 2**64}, "seed: must be <="),
+        ({**ok, "seed": -1}, "seed: must be >= 0"),
+        ({**ok, "seeds": [1]}, "seeds: expected a list of 2 integer seeds"),
+        ({**ok, "n": 1_000_000}, r"n: 2 prompt\(s\) x n 1000000 = 2000000 samples exceed rollout.max_samples_per_request 1024"),
         ([1, 2], "body: expected a JSON object"),
     ]
     for body, msg in cases:
         with pytest.raises(protocol.BadRequest, match=msg):
-            protocol.parse_generate(body, vocab=10, max_model_len=6)
+            protocol.parse_generate(body, 10, protocol.RequestLimits(6))
+
+
+def test_request_limits_refuse_what_can_never_be_served():
+    lim = protocol.RequestLimits(max_model_len=8, max_samples=6, max_tokens=20)
+    lim.check([[1, 2], [3]], 3, 2)  # 6 samples; 3 prompt tokens + 6 x 2 = 15 tokens
+    with pytest.raises(protocol.BadRequest, match=r"asks for 27 tokens \(its prompts \+ n x max_new_tokens"):
+        lim.check([[1, 2], [3]], 3, 4)  # 3 + 6 x 4 = 27 > 20
+    with pytest.raises(protocol.BadRequest, match="= 8 samples exceed rollout.max_samples_per_request 6"):
+        lim.check([[1], [2]], 4, 1)
+    assert protocol.RequestLimits(8, max_samples=2).max_tokens is None  # then 2 x 8 tokens: the samples bound it
+
+
+def test_bodies_are_refused_by_field_for_nan_depth_and_bad_text():
+    assert protocol.load_json(b'{"a": [1, 2.5, "x", {"b": null}]}') == {"a": [1, 2.5, "x", {"b": None}]}
+    cases = [(b'{"temperature": NaN}', "temperature: NaN is not a number JSON allows"),
+             (b'{"x": {"y": [1, -Infinity]}}', r"x.y\[1\]: -Infinity is not a number"),
+             (b'{"top_p": 1e999}', "top_p: inf is out of range"),
+             (b"[" * 5000 + b"]" * 5000, "nested deeper than 16 levels"),
+             (b"[" * 17 + b"]" * 17, r"body(\[0\])+: JSON nested deeper than 16 levels"),
+             (b'{"prompt": "ok \\udcff"}', "prompt: text holds '\\\\udcff', a lone surrogate"),
+             (b'{"\\ud800": 1}', r"body \(a key\): text holds"),
+             (b"{not json", "body: not valid JSON"),
+             (b"\xff\xfe", "body: not valid JSON")]
+    for raw, msg in cases:
+        with pytest.raises(protocol.BadRequest, match=msg):
+            protocol.load_json(raw)
 
 
 def test_parse_logprobs_errors():
-    assert protocol.parse_logprobs({"token_ids": [[1, 2, 3]], "prompt_lens": [1]}, 10, 8) == ([[1, 2, 3]], [1])
+    assert protocol.parse_logprobs({"token_ids": [[1, 2, 3]], "prompt_lens": [1]}, 10, protocol.RequestLimits(8)) == ([[1, 2, 3]], [1])
     with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: must be >= 1"):
-        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [0]}, 10, 8)
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [0]}, 10, protocol.RequestLimits(8))
     with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: 3 exceeds"):
-        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [3]}, 10, 8)
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [3]}, 10, protocol.RequestLimits(8))
     with pytest.raises(protocol.BadRequest, match="one per token_ids row"):
-        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [1, 1]}, 10, 8)
+        protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [1, 1]}, 10, protocol.RequestLimits(8))
 
 
 def test_advertise_host(monkeypatch):

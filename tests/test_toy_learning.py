@@ -72,6 +72,7 @@ def test_toy_tool_job_learns_to_call_the_tool(tmp_path):
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
+    golden_samples.check("toy-tool-cpu", run)
     rows = read_metrics(run / "metrics.jsonl")
     rewards = [row["reward_mean"] for row in rows]
     calls = [row["tool_calls_per_sample"] for row in rows]

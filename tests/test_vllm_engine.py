@@ -136,9 +136,10 @@ def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
     from hpc_rl.rollout.server.collective_receiver import register_server_routes
     from hpc_rl.rollout.server.service import RolloutService, make_http_server
     from hpc_rl.rollout.wire.collective import CollectiveError
+    from hpc_rl.rollout.wire.protocol import RequestLimits
     from hpc_rl.rundir import RunDir
 
-    service = RolloutService(engine, RunDir(tmp_path), str(tiny_path), 256, None)
+    service = RolloutService(engine, RunDir(tmp_path), str(tiny_path), RequestLimits(256), None)
     register_server_routes(service)
     httpd = make_http_server(service, "t0k", "127.0.0.1", 0)
     th = threading.Thread(target=httpd.serve_forever, daemon=True)

@@ -15,6 +15,7 @@ import requests
 from hpc_rl.models import load_causal_lm
 from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
+from tests import server_abuse
 from tests.logprob_checks import local_logprobs, max_diff, perturbed, served_logprobs
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
@@ -34,8 +35,8 @@ def srv(tmp_path_factory, tiny_model):
     if not HAVE_VLLM:
         pytest.skip(WHY)
     base = tmp_path_factory.mktemp("vllm-server")
-    run = make_run(base / "runs", tiny_model, engine="vllm", dtype="float32", max_model_len=64,
-                   request_timeout_s=120, retries=0)
+    run = make_run(base / "runs", tiny_model, engine="vllm", dtype="float32", max_model_len=512,
+                   request_timeout_s=120, retries=0, max_samples_per_request=64, kv_cache_bytes=128 * 2**20)
     t0 = time.monotonic()
     proc, info = start_server(run, 0, timeout_s=STARTUP_LIMIT_S, env={"VLLM_CPU_OMP_THREADS_BIND": "0"})
     s = requests.Session()
@@ -132,3 +133,24 @@ def test_file_update_equals_hf(srv):
     client.close()
     m = srv.s.get(srv.url + "/metrics", timeout=5).json()
     assert m["weight_updates"] == 4 and m["policy_version"] == 4 and m["engine"] == "vllm"
+
+
+def test_malformed_inputs_are_4xx_naming_the_field(srv):
+    server_abuse.check_malformed_inputs_are_4xx_naming_the_field(srv, samples_limit=64)
+
+
+def test_fuzzed_bodies_never_get_a_5xx(srv):
+    server_abuse.fuzz_bodies_never_5xx(srv, examples=60)
+
+
+def test_a_dropped_request_frees_the_server_and_small_ones_are_not_starved(srv):
+    """The largest request (64 greedy samples of 240 tokens), dropped by its client: vLLM aborts its sequences, so a
+    small request is answered in under a quarter of its time alone; beside it (not dropped), a small request waits
+    under half of it (vLLM schedules the small one's sequence among the large one's)."""
+    large = {**server_abuse.long_request(srv, 64, 240), "temperature": 0.0}
+    alone = server_abuse.time_alone(srv, large)
+    dropped = server_abuse.check_dropped_request_frees_the_server(srv, large, alone)
+    beside = server_abuse.check_small_request_beside_large_one(srv, large)
+    print(f"vLLM engine: large request alone {alone:.2f}s; small request after dropping it {dropped:.2f}s, beside it "
+          f"{beside:.2f}s")
+    assert dropped < alone / 4 and beside < alone / 2, (alone, dropped, beside)

@@ -20,21 +20,13 @@ from ..config import DataConfig, JobConfig
 from ..data.datasets import PromptDataset
 from ..errors import RolloutError
 from ..metrics import read_metrics, truncate_after
+from ..orchestrator import seeds
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rollout.wire.sampling import SamplingParams
 from ..rundir import RunDir, write_text_atomic
 from .pass_at_k import eval_metrics
 
 log = logging.getLogger("hpc_rl")
-
-# Evaluation seeds sit this far from the training seeds (seed * 1_000_003 + step), so no eval request shares one.
-_EVAL_SEED_OFFSET = 1_000_000_007
-
-
-def eval_seed(seed: int, step: int) -> int:
-    """The sampling seed of the evaluation of `step` (irrelevant when greedy)."""
-    return (seed * 1_000_003 + _EVAL_SEED_OFFSET + step) % (2**31)
-
 
 def eval_data_config(cfg: JobConfig) -> DataConfig:
     """The held-out prompts as a data section: eval.source, eval.split and eval.prompt_key, data's prompt limit."""
@@ -107,7 +99,7 @@ class Evaluator:
         k = e.samples_per_prompt
         params = SamplingParams(n=k, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
                                 temperature=e.temperature, top_p=e.top_p, top_k=-1, stop_token_ids=self.stop_ids,
-                                seed=eval_seed(self.cfg.seed, step))
+                                seeds=seeds.evaluation(self.cfg.seed, step).prompts(len(self.indices)))
         ds = self.dataset
         res = self.client.generate([ds.token_ids[i] for i in self.indices], params, step=step)
         if set(res.policy_versions) != {served_version}:

@@ -16,6 +16,7 @@ from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
 from ..metrics import samples_sha1, server_token_stats
+from ..orchestrator import seeds
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.client.rollout_client import RolloutClient
@@ -80,14 +81,15 @@ class BatchMaker:
         """Samples of the prompts `idx` (round_ > 0: an extra round of dynamic sampling, seeds of its own)."""
         cfg, a, r = self.cfg, self.cfg.algorithm, self.cfg.rollout
         ds = self.dataset
+        stream = seeds.training(cfg.seed, step, round_)
         params = SamplingParams(n=a.group_size, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                                 top_p=r.top_p, top_k=r.top_k, stop_token_ids=self.stop_ids,
-                                seed=(cfg.seed * 1_000_003 + step + round_ * 7_919_003) % (2**31))
+                                seeds=stream.prompts(len(idx)))
         t0 = time.time()
         parts, extra, turn_stats = {}, {}, {}
         if self.multi_turn is not None:
             rows = [ds.rows[i] for i in idx for _ in range(a.group_size)]
-            trajs, turn_stats = self.multi_turn.run(rows, params, step)
+            trajs, turn_stats = self.multi_turn.run(rows, params, step, stream.turn)
             prompt_ids = [t.prompt_ids for t in trajs]
             resp_ids = [t.response_ids for t in trajs]
             rollout_lp = [t.logprobs for t in trajs]

@@ -12,6 +12,7 @@ from ..algos.shaping import groups_with_spread
 from ..data.sampler import indices_for_step
 from ..errors import TrainingError
 from ..metrics import samples_sha1, server_token_stats
+from ..orchestrator import seeds
 from ..rewards.base import combine_rewards
 
 log = logging.getLogger("hpc_rl")
@@ -23,7 +24,7 @@ PER_SAMPLE = ("prompts", "responses", "rollout_logprobs", "versions", "truncated
 
 def round_prompts(n_rows: int, count: int, seed: int, step: int, round_: int, shuffle: bool) -> list[int]:
     """The prompts of extra round `round_` (>= 1) of `step`: a stream of their own, deterministic in its arguments."""
-    return indices_for_step(n_rows, count, seed + 104_729 * round_, step, shuffle)
+    return indices_for_step(n_rows, count, seeds.round_data_seed(seed, round_), step, shuffle)
 
 
 def _take(batch: dict, groups: list[int], g: int) -> dict:

@@ -24,7 +24,6 @@ HEALTH_TIMEOUT_S = 5.0
 # A server out of rotation that still does not answer /health (hung, or its node gone) is probed again only after
 # this wait, doubling up to the second value: each probe of a hung server costs the step HEALTH_TIMEOUT_S.
 REPROBE_S = (10.0, 120.0)
-_SEED_MOD = 2**63 - 1
 # Weight of the newest measurement in a server's throughput estimate (tokens/s of its generate requests).
 THROUGHPUT_EWMA = 0.5
 # While waiting for servers: a progress line this often.
@@ -68,13 +67,6 @@ def registration_problem(info, path) -> str | None:
     if isinstance(index, bool) or not (isinstance(index, int) or (isinstance(index, str) and index.isdigit())):
         return f"its index {index!r} is not a non-negative integer"
     return None
-
-
-def chunk_seed(seed: int | None, start: int) -> int | None:
-    """The seed of the chunk starting at prompt `start`: independent of which server serves it."""
-    if seed is None:
-        return None
-    return (int(seed) * 1_000_003 + start * 7919 + 1) % _SEED_MOD
 
 
 def split_contiguous(n_items: int, n_chunks: int) -> list[tuple[int, int]]:
@@ -137,12 +129,34 @@ class _HTTPFailure(Exception):
     """A request that may succeed elsewhere (connection error, timeout, 5xx)."""
 
 
+class _Busy(Exception):
+    """429: the server holds as many requests as it takes; another server, or the same one shortly, will take it."""
+
+    def __init__(self, message: str, retry_after_s: float):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def bounded(ranges: list[tuple[int, int]], per_item: int, max_samples: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """`ranges` cut so that no piece asks for more than max_samples samples (items x per_item); with the position
+    of the range each piece comes from (the server it is meant for)."""
+    step = max(1, max_samples // max(1, per_item))
+    pieces, owners = [], []
+    for k, (a, b) in enumerate(ranges):
+        for start in range(a, b, step):
+            pieces.append((start, min(b, start + step)))
+            owners.append(k)
+    return pieces, owners
+
+
 class RolloutClient:
     """Talks to every rollout server of a run; see the module doc of hpc_rl.rollout for the API."""
 
     def __init__(self, run: RunDir, token: str, timeout_s: float = 300.0, retries: int = 2,
-                 weight_sync: str = "auto", trainer_device: str = "cpu", kind: str = "rollout"):
+                 weight_sync: str = "auto", trainer_device: str = "cpu", kind: str = "rollout",
+                 max_samples: int = 1024):
         self.run = run
+        self.max_samples = max_samples  # per request (rollout.max_samples_per_request): larger work is split
         self.kind = kind  # "rollout", or "reward": the reward servers of reward nodes (scoring only)
         self.token = token
         self.timeout_s = timeout_s
@@ -172,7 +186,7 @@ class RolloutClient:
 
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         client = cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries,
-                     weight_sync=r.weight_sync, trainer_device=dev, kind=kind)
+                     weight_sync=r.weight_sync, trainer_device=dev, kind=kind, max_samples=r.max_samples_per_request)
         client.layout = (cfg.trainer.nodes, r.nodes, r.servers_per_node) if kind == "rollout" else \
             (cfg.trainer.nodes + r.nodes, cfg.reward.nodes, 1)
         return client
@@ -410,6 +424,12 @@ class RolloutClient:
             raise _HTTPFailure(f"{type(e).__name__}: {str(e)[:200]}") from None
         if r.status_code >= 500 or r.status_code in (401, 403):  # 401/403: not this run's server (token refused)
             raise _HTTPFailure(f"HTTP {r.status_code}: {error_of(r)}")
+        if r.status_code == 429:
+            try:
+                wait = float(r.headers.get("retry-after", "1"))
+            except ValueError:
+                wait = 1.0
+            raise _Busy(f"HTTP 429: {error_of(r)}", min(max(wait, 0.1), 30.0))
         not_finite = _not_finite(r)
         if not_finite is not None:  # the weights are broken, not the server: another server holds the same ones
             raise PolicyNotFiniteError(f"{self.kind} server {srv.url}: {error_of(r)}", not_finite)
@@ -420,9 +440,11 @@ class RolloutClient:
         return r.json()
 
     def _run_chunks(self, path: str, bodies: list[dict], what: str, servers: list[Server] | None = None,
-                    served_by: list | None = None) -> list[dict]:
-        """POST one body per chunk, concurrently, chunk i to servers[i] (default: the healthy ones); a failed chunk
-        moves to another healthy server. `served_by` receives (server, seconds) of each chunk."""
+                    served_by: list | None = None, owners: list[int] | None = None) -> list[dict]:
+        """POST one body per chunk, concurrently, chunk i to servers[owners[i]] (default i mod their count; servers
+        default to the healthy ones); a failed chunk moves to another healthy server, a refused one (429: busy) to
+        another or, when all are busy, to the same after the wait it asks for. `served_by` receives (server,
+        seconds) of each chunk."""
         servers = servers or self._healthy()
         if not servers:
             raise RolloutError(f"{what}: no healthy {self.kind} server ("
@@ -431,13 +453,14 @@ class RolloutClient:
 
         def one(i: int) -> dict:
             tried: list[str] = []
-            start = servers[i % len(servers)].index
-            for _attempt in range(self.retries + 1):
+            start = servers[(owners[i] if owners else i) % len(servers)].index
+            attempts, busy_since, deadline = 0, set(), time.monotonic() + self.timeout_s
+            while attempts <= self.retries:
                 live = self._healthy()
                 if not live:
                     break
-                # Prefer the chunk's own server, then the next healthy one in index order.
-                live.sort(key=lambda s: (s.index - start) % (max(self.servers) + 1))
+                # Prefer the chunk's own server, then the next healthy one in index order; busy ones last.
+                live.sort(key=lambda s: (s.index in busy_since, (s.index - start) % (max(self.servers) + 1)))
                 srv = live[0]
                 t0 = time.perf_counter()
                 try:
@@ -445,7 +468,16 @@ class RolloutClient:
                     if served_by is not None:
                         served_by[i] = (srv, time.perf_counter() - t0)
                     return res
+                except _Busy as e:
+                    busy_since.add(srv.index)
+                    if time.monotonic() + e.retry_after_s > deadline:
+                        tried.append(f"{srv.url} ({e}, for {self.timeout_s:.0f}s)")
+                        break
+                    if len(busy_since) >= len(live):  # every live server is busy: wait as asked, then again
+                        time.sleep(e.retry_after_s)
+                        busy_since.clear()
                 except _HTTPFailure as e:
+                    attempts += 1
                     tried.append(f"{srv.url} ({e})")
                     self._mark_dead(srv, str(e))
             raise RolloutError(f"{what}: chunk {i} failed after {len(tried)} attempt(s): {'; '.join(tried) or 'no healthy server'}; "
@@ -479,14 +511,17 @@ class RolloutClient:
             ranges = split_weighted(len(prompt_token_ids), [s.tokens_per_s or mean for s in live])
         else:
             ranges = split_contiguous(len(prompt_token_ids), self._n_chunks())
+        ranges, owners = bounded(ranges, params.n, self.max_samples)
         bodies = []
         for a, b in ranges:
+            # Each prompt keeps its own seed whichever chunk and server it lands in.
+            seeds = [params.prompt_seed(i) for i in range(a, b)]
             p = SamplingParams(n=params.n, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, stop_token_ids=list(params.stop_token_ids),
-                               seed=chunk_seed(params.seed, a))
+                               seeds=None if None in seeds else seeds)
             bodies.append(protocol.params_to_json(prompt_token_ids[a:b], p))
         served_by: list = [None] * len(bodies)
-        results = self._run_chunks("/generate", bodies, f"generate at step {step}", live, served_by)
+        results = self._run_chunks("/generate", bodies, f"generate at step {step}", live, served_by, owners)
         outputs: list[list[SampleOut]] = []
         versions: list[int] = []
         per_server: dict[int, int] = {}
@@ -513,9 +548,9 @@ class RolloutClient:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy."""
         if not token_ids:
             return []
-        ranges = split_contiguous(len(token_ids), self._n_chunks())
+        ranges, owners = bounded(split_contiguous(len(token_ids), self._n_chunks()), 1, self.max_samples)
         bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b])} for a, b in ranges]
-        results = self._run_chunks("/logprobs", bodies, "logprobs")
+        results = self._run_chunks("/logprobs", bodies, "logprobs", owners=owners)
         return [row for res in results for row in res["logprobs"]]
 
     def score(self, token_ids: list[list[int]]) -> list[float]:
@@ -701,5 +736,5 @@ class RolloutClient:
             s.session.close()
 
 
-__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "chunk_seed", "split_contiguous",
+__all__ = ["RolloutClient", "GenerateResult", "SamplingParams", "SampleOut", "split_contiguous",
            "split_weighted"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
@@ -99,8 +100,12 @@ class MultiTurnRollout:
                             f"{lim.max_model_len}; raise max_model_len or shorten the prompt")
         return Trajectory(prompt_ids=ids, env=env, fmt=fmt, messages=list(messages))
 
-    def run(self, rows: list[dict], params: SamplingParams, step: int) -> tuple[list[Trajectory], dict]:
-        """One trajectory per row (rows repeat for a group), in row order; with the loop's statistics."""
+    def run(self, rows: list[dict], params: SamplingParams, step: int,
+            turn_seed: Callable[[int, int], int] | None = None) -> tuple[list[Trajectory], dict]:
+        """One trajectory per row (rows repeat for a group), in row order; with the loop's statistics.
+
+        `turn_seed(row, turn)` is the seed of each turn (None: nondeterministic): a sample then does not depend on
+        which trajectories share a wave, which depends on when their tools finish."""
         trajs = [self.start(r) for r in rows]
         t0 = time.time()
         ready = list(range(len(trajs)))
@@ -113,10 +118,10 @@ class MultiTurnRollout:
             while ready or gens or tools:
                 while ready and len(gens) < MAX_WAVES:
                     for group in self._groups(trajs, ready):
+                        turn_seeds = None if turn_seed is None else [turn_seed(i, trajs[i].turns) for i in group[1]]
                         p = SamplingParams(n=1, max_new_tokens=group[0], temperature=params.temperature,
                                            top_p=params.top_p, top_k=params.top_k,
-                                           stop_token_ids=params.stop_token_ids,
-                                           seed=None if params.seed is None else (params.seed + 7919 * wave) % 2**31)
+                                           stop_token_ids=params.stop_token_ids, seeds=turn_seeds)
                         wave += 1
                         span = [time.time(), None]
                         busy.append(span)

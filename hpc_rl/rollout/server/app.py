@@ -10,6 +10,7 @@ they run in the thread pool. /health keeps answering while either runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -26,7 +27,7 @@ from starlette.exceptions import HTTPException
 
 from ...errors import HpcRlError, first_line
 from ..wire import protocol
-from ..wire.protocol import NOT_FINITE_KIND, BadRequest, Draining, PolicyNotFinite
+from ..wire.protocol import NOT_FINITE_KIND, BadRequest, Busy, Draining, PolicyNotFinite
 
 log = logging.getLogger("hpc_rl")
 
@@ -36,10 +37,14 @@ UNAUTHORIZED = ("Authorization: missing or wrong bearer token; send the run's to
 KEEP_ALIVE_S = 24 * 3600
 
 
-def json_response(obj, status: int = 200, close: bool = False) -> Response:
+# How often a request in progress checks whether its client is still there.
+DISCONNECT_POLL_S = 0.2
+
+
+def json_response(obj, status: int = 200, close: bool = False, headers: dict | None = None) -> Response:
     """JSON as the stdlib writes it (NaN/inf allowed: a -inf log-prob is data, not an error)."""
-    headers = {"connection": "close"} if close else None
-    return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers)
+    headers = {**({"connection": "close"} if close else {}), **(headers or {})}
+    return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers or None)
 
 
 class Guard:
@@ -81,10 +86,32 @@ async def _json_body(request: Request, empty_ok: bool = False):
     raw = await request.body()
     if empty_ok and not raw:
         return None
+    return protocol.load_json(raw)
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the answer: its work was stopped."""
+
+
+async def until_disconnect(request: Request, work) -> dict:
+    """Run `work(cancel)` (a coroutine function) until it finishes or the client goes away (disconnect, or its
+    timeout closing the connection); then the task is cancelled (engines on their own loop abort the request) and
+    `cancel` is set (engines computing in a thread stop at their next decode step), so the server is free again."""
+    cancel = threading.Event()
+    task = asyncio.ensure_future(work(cancel))
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"body: not valid JSON ({first_line(e)})") from None
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone(f"{request.method} {request.url.path}: the client went away; its work was stopped")
+    finally:
+        if not task.done():
+            cancel.set()
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
 
 
 def weights_query(query: str) -> tuple[int, int, bool]:
@@ -144,15 +171,18 @@ def _engine_routes(r: APIRouter, service, call) -> None:
 
     @r.post("/generate")
     async def generate(request: Request):
-        return json_response(await service.generate(await _json_body(request)))
+        body = await _json_body(request)
+        return json_response(await until_disconnect(request, lambda cancel: service.generate(body, cancel)))
 
     @r.post("/v1/completions")
     async def completions(request: Request):
-        return json_response(await service.completions(await _json_body(request)))
+        body = await _json_body(request)
+        return json_response(await until_disconnect(request, lambda cancel: service.completions(body, cancel)))
 
     @r.post("/logprobs")
     async def logprobs(request: Request):
-        return json_response(await service.logprobs(await _json_body(request)))
+        body = await _json_body(request)
+        return json_response(await until_disconnect(request, lambda cancel: service.logprobs(body, cancel)))
 
     @r.post("/weights/load_file")
     async def load_file(request: Request):
@@ -193,6 +223,16 @@ def make_app(service, token: str) -> Guard:
     @app.exception_handler(Draining)
     async def draining(request: Request, e: Exception):
         return json_response({"error": f"{request.method} {request.url.path}: {e}"}, 503)
+
+    @app.exception_handler(Busy)
+    async def busy(request: Request, e: Busy):
+        return json_response({"error": f"{request.method} {request.url.path}: {e}"}, 429,
+                             headers={"retry-after": str(max(1, round(e.retry_after_s)))})
+
+    @app.exception_handler(ClientGone)
+    async def gone(request: Request, e: Exception):
+        log.info("%s", e)
+        return json_response({"error": str(e)}, 499, close=True)  # nobody reads it
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
+import contextlib
 import logging
+import threading
 from typing import TYPE_CHECKING
 
 from ...errors import first_line
@@ -21,6 +24,44 @@ if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for t
     from ...config import JobConfig
 
 log = logging.getLogger("hpc_rl")
+
+
+class Cancelled(Exception):
+    """The request's client went away (disconnect or timeout): its work stops where the engine can stop it."""
+
+
+class FairLock:
+    """One computation at a time, granted in arrival order: a request that chunks its work takes a turn per chunk,
+    so a small request arriving beside a large one waits for one chunk, not the whole request."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._held = False
+
+    @contextlib.contextmanager
+    def turn(self, cancel: threading.Event | None = None):
+        me = object()
+        with self._cond:
+            self._queue.append(me)
+            try:
+                while self._held or self._queue[0] is not me:
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("the client went away while the request waited for its turn")
+                    self._cond.wait(0.1)
+            finally:
+                if self._queue[0] is me and not self._held:
+                    self._queue.popleft()
+                    self._held = True
+                else:  # cancelled (or interrupted) while waiting: give up the place
+                    self._queue.remove(me)
+                    self._cond.notify_all()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._held = False
+                self._cond.notify_all()
 
 
 class Engine(abc.ABC):
@@ -36,20 +77,26 @@ class Engine(abc.ABC):
     reloads_whole_layers: bool = False
 
     @abc.abstractmethod
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
-        """For each prompt, `params.n` samples; deterministic for a given `params.seed`."""
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+        """For each prompt, `params.n` samples; sample j of prompt i is deterministic in params.prompt_seed(i) + j,
+        whatever else the batch holds."""
 
     @abc.abstractmethod
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
+                        cancel: threading.Event | None = None) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
 
-    async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
-        """generate for a caller on an event loop; engines without a loop of their own compute in a worker thread."""
-        return await asyncio.to_thread(self.generate, prompt_token_ids, params)
+    async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                             cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+        """generate for a caller on an event loop. Its work stops when the awaiting task is cancelled (engines with
+        a loop of their own abort the request) or `cancel` is set (engines computing in a worker thread check it)."""
+        return await asyncio.to_thread(self.generate, prompt_token_ids, params, cancel)
 
-    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
+                                    cancel: threading.Event | None = None) -> list[list[float]]:
         """prompt_logprobs for a caller on an event loop (as generate_async)."""
-        return await asyncio.to_thread(self.prompt_logprobs, token_ids, prompt_lens)
+        return await asyncio.to_thread(self.prompt_logprobs, token_ids, prompt_lens, cancel)
 
     @abc.abstractmethod
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

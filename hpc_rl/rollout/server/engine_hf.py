@@ -18,7 +18,7 @@ from ...errors import ModelError
 from ...models import load_causal_lm
 from ..wire.protocol import PolicyNotFinite
 from ..wire.sampling import SampleOut, SamplingParams
-from .engine import Engine
+from .engine import Cancelled, Engine, FairLock
 
 log = logging.getLogger("hpc_rl")
 
@@ -87,28 +87,31 @@ class HFEngine(Engine):
         pad = gc.pad_token_id if gc.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._params = dict(self.model.state_dict())
-        # One computation at a time: concurrent requests would split the engine's threads between them.
-        self._lock = threading.Lock()
+        # One computation at a time (concurrent ones would split the engine's threads between them), taken in turns.
+        self._turns = FairLock()
+        self.batch_samples = int(cfg.rollout.hf_batch_samples)
         log.info("hf engine: %s on %s, dtype %s, attention %s, threads %s", cfg.model.path, self.device,
                  dtype, attn, torch.get_num_threads())
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
-        with self._lock:
-            return self._generate(prompt_token_ids, params)
-
-    @torch.inference_mode()
-    def _generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                 cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+        """Samples in chunks of rollout.hf_batch_samples rows, each chunk one turn of the fair lock: a request that
+        arrives while a large one runs is served after the chunk in progress, not after the whole request."""
         n = params.n
         rows = [p for p in prompt_token_ids for _ in range(n)]
-        if not rows:
-            return []
-        gen = torch.Generator(device=self.device)
-        if params.seed is not None:
-            gen.manual_seed(int(params.seed))
-        else:
-            gen.seed()
+        gens = self._generators(len(prompt_token_ids), params)
+        samples: list[SampleOut] = []
+        for start in range(0, len(rows), self.batch_samples):
+            end = start + self.batch_samples
+            with self._turns.turn(cancel):
+                samples += self._generate(rows[start:end], gens[start:end], params, cancel)
+        return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+    @torch.inference_mode()
+    def _generate(self, rows: list[list[int]], gens: list[torch.Generator], params: SamplingParams,
+                  cancel: threading.Event | None) -> list[SampleOut]:
         stop_ids = torch.tensor(sorted(self.eos_ids | set(params.stop_token_ids)), dtype=torch.long,
                                 device=self.device)
         b = len(rows)
@@ -127,15 +130,17 @@ class HFEngine(Engine):
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         toks, lps = [], []
         for step in range(params.max_new_tokens):
+            if cancel is not None and cancel.is_set():  # the client went away: stop between decode steps
+                raise Cancelled("the client went away")
             logits = logits.float()
             if not bool(torch.isfinite(logits).all()):
                 raise PolicyNotFinite(f"the model's logits are not finite at generated token {step + 1}")
             raw = torch.log_softmax(logits, dim=-1)
-            if params.temperature <= 0:
+            if params.greedy:
                 tok = logits.argmax(dim=-1)
             else:
                 probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
-                tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+                tok = self._sample(probs, gens, done)
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             toks.append(tok)
             lps.append(raw.gather(-1, tok[:, None]).squeeze(-1))
@@ -151,7 +156,7 @@ class HFEngine(Engine):
         tok_m = torch.stack(toks, dim=1).cpu().tolist()
         lp_m = torch.stack(lps, dim=1).cpu().tolist()
         stop_set = set(stop_ids.cpu().tolist())
-        results: list[list[SampleOut]] = []
+        results: list[SampleOut] = []
         for i in range(b):
             t_row, l_row, reason = [], [], "length"
             for t, lp in zip(tok_m[i], lp_m[i]):
@@ -160,14 +165,42 @@ class HFEngine(Engine):
                 if t in stop_set:
                     reason = "stop"
                     break
-            if i % n == 0:
-                results.append([])
-            results[-1].append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason))
+            results.append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason))
         return results
 
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
-        with self._lock:
-            return self._prompt_logprobs(token_ids, prompt_lens)
+    def _generators(self, prompts: int, params: SamplingParams) -> list[torch.Generator]:
+        """One generator per row (prompt i's sample j: seed s_i + j), so that a sample does not depend on the other
+        rows of the batch; rows without a seed share one nondeterministic generator."""
+        shared = None
+        gens = []
+        for i in range(prompts):
+            seed = params.prompt_seed(i)
+            for j in range(params.n):
+                if seed is None:
+                    if shared is None:
+                        shared = torch.Generator(device=self.device)
+                        shared.seed()
+                    gens.append(shared)
+                else:
+                    gens.append(torch.Generator(device=self.device).manual_seed((seed + j) % 2**63))
+        return gens
+
+    @staticmethod
+    def _sample(probs: torch.Tensor, gens: list[torch.Generator], done: torch.Tensor) -> torch.Tensor:
+        """One token per row from its own generator (rows already done draw nothing: their token is padding)."""
+        tok = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+        for r in (~done).nonzero().flatten().tolist():
+            tok[r] = torch.multinomial(probs[r], 1, generator=gens[r])[0]
+        return tok
+
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
+                        cancel: threading.Event | None = None) -> list[list[float]]:
+        out: list[list[float]] = []
+        for start in range(0, len(token_ids), self.batch_samples):
+            end = start + self.batch_samples
+            with self._turns.turn(cancel):
+                out += self._prompt_logprobs(token_ids[start:end], prompt_lens[start:end])
+        return out
 
     @torch.inference_mode()
     def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
@@ -196,7 +229,7 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        with self._lock:
+        with self._turns.turn():
             for name, t in named_tensors:
                 dst = self._params[name]
                 dst.copy_(t.to(device=dst.device, dtype=dst.dtype))

@@ -59,17 +59,17 @@ class LoraMergingEngine(Engine):
         self.whole_layers = bool(getattr(inner, "reloads_whole_layers", False))
         self._specs = None
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
-        return self.inner.generate(prompt_token_ids, params)
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None) -> list[list[SampleOut]]:
+        return self.inner.generate(prompt_token_ids, params, cancel)
 
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
-        return self.inner.prompt_logprobs(token_ids, prompt_lens)
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], cancel=None) -> list[list[float]]:
+        return self.inner.prompt_logprobs(token_ids, prompt_lens, cancel)
 
-    async def generate_async(self, prompt_token_ids, params):
-        return await self.inner.generate_async(prompt_token_ids, params)
+    async def generate_async(self, prompt_token_ids, params, cancel=None):
+        return await self.inner.generate_async(prompt_token_ids, params, cancel)
 
-    async def prompt_logprobs_async(self, token_ids, prompt_lens):
-        return await self.inner.prompt_logprobs_async(token_ids, prompt_lens)
+    async def prompt_logprobs_async(self, token_ids, prompt_lens, cancel=None):
+        return await self.inner.prompt_logprobs_async(token_ids, prompt_lens, cancel)
 
     def param_specs(self) -> dict:
         if self._specs is None:

@@ -181,17 +181,18 @@ class VLLMEngine(Engine):
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None) -> list[list[SampleOut]]:
         return self._run(self.generate_async(prompt_token_ids, params))
 
-    async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> list[list[SampleOut]]:
+    async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
+                             cancel=None) -> list[list[SampleOut]]:
+        """`cancel` is not needed here: cancelling the awaiting task aborts the requests in vLLM (_many)."""
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
         sps = []
         for i in range(len(prompt_token_ids)):
-            # vLLM seeds the n children of a request with seed + index: space prompts n apart.
-            seed = None if params.seed is None else int(params.seed) + i * params.n
+            seed = params.prompt_seed(i)  # vLLM seeds the n children of a request with seed + index
             sps.append(VSP(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature,
                            top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
                            stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
@@ -208,10 +209,11 @@ class VLLMEngine(Engine):
             result.append(samples)
         return result
 
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], cancel=None) -> list[list[float]]:
         return self._run(self.prompt_logprobs_async(token_ids, prompt_lens))
 
-    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
+                                    cancel=None) -> list[list[float]]:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 

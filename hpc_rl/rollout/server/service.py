@@ -33,11 +33,11 @@ from ...errors import HpcRlError
 from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
 from ..wire import protocol
-from ..wire.protocol import DRAIN_S, BadRequest, Draining, PolicyNotFinite
+from ..wire.protocol import DRAIN_S, BadRequest, Busy, Draining, PolicyNotFinite
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
 from .collective_receiver import register_server_routes
-from .engine import Engine, make_engine
+from .engine import Cancelled, Engine, make_engine
 
 log = logging.getLogger("hpc_rl")
 
@@ -120,16 +120,18 @@ def check_finite(rows: list[list[float]], what: str) -> None:
 class RolloutService:
     """Engine + policy version + staged weight buckets + counters; generations and weight loads pass one gate."""
 
-    def __init__(self, engine: Engine, run: RunDir, model_path: str, max_model_len: int, vocab: int | None,
-                 trust_remote_code: bool = False):
+    def __init__(self, engine: Engine, run: RunDir, model_path: str, limits: protocol.RequestLimits,
+                 vocab: int | None, trust_remote_code: bool = False, max_in_flight: int = 256):
         self.engine = engine
         self.trust_remote_code = trust_remote_code
         self._tokenizer = None  # loaded on the first /v1/completions (the trainer sends token ids)
         self._tok_lock = threading.Lock()
         self.run = run
         self.model_path = model_path
-        self.max_model_len = max_model_len
+        self.limits = limits
         self.vocab = vocab
+        self.max_in_flight = max_in_flight
+        self._in_flight = 0  # requests admitted and not answered yet (running or waiting for the engine)
         self.policy_version = 0
         self.weight_gate = WeightGate()
         self._stage_lock = threading.Lock()
@@ -137,7 +139,8 @@ class RolloutService:
         self._staged: dict[int, list] = {}
         self._specs = engine.param_specs()
         self._counters = {"requests": 0, "generate_requests": 0, "generated_tokens": 0, "weight_updates": 0,
-                          "last_batch_tokens_per_s": 0.0, "last_batch_seconds": 0.0, "errors": 0}
+                          "last_batch_tokens_per_s": 0.0, "last_batch_seconds": 0.0, "errors": 0,
+                          "refused_busy": 0, "cancelled": 0}
         self._count_lock = threading.Lock()
         self.started = time.time()
         self.draining = False  # set when the server leaves: new work gets 503 (Draining)
@@ -166,6 +169,25 @@ class RolloutService:
         if self.draining:
             raise Draining("draining: this server is leaving the run; send the request to another server")
 
+    @contextlib.contextmanager
+    def _admitted(self):
+        """A request with the engine's work to do: at most max_in_flight at once (Busy, answered 429, past it)."""
+        self._take_work()
+        with self._count_lock:
+            if self._in_flight >= self.max_in_flight:
+                self._counters["refused_busy"] += 1
+                raise Busy(f"busy: this server holds {self._in_flight} requests (rollout.max_requests_in_flight "
+                           f"{self.max_in_flight}); send it to another server or again shortly")
+            self._in_flight += 1
+        try:
+            yield
+        except (Cancelled, asyncio.CancelledError):  # its client went away (a thread engine / an engine's loop)
+            self.count("cancelled")
+            raise
+        finally:
+            with self._count_lock:
+                self._in_flight -= 1
+
     def health(self) -> dict:
         return {"status": "ok", "state": self.state, "engine": self.engine.name,
                 "policy_version": self.policy_version, "model": self.model_path}
@@ -174,18 +196,18 @@ class RolloutService:
         with self._count_lock:
             out = dict(self._counters)
         out.update(policy_version=self.policy_version, engine=self.engine.name, state=self.state,
-                   generating=self.weight_gate.active,
+                   generating=self.weight_gate.active, in_flight=self._in_flight,
                    uptime_s=round(time.time() - self.started, 3))
         return out
 
-    async def generate(self, body) -> dict:
-        prompts, params = protocol.parse_generate(body, self.vocab, self.max_model_len)
-        self._take_work()
-        async with self.weight_gate.generating():
-            t0 = time.perf_counter()
-            outputs = await self._generate(prompts, params)
-            dt = time.perf_counter() - t0
-            version = self.policy_version
+    async def generate(self, body, cancel: threading.Event | None = None) -> dict:
+        prompts, params = protocol.parse_generate(body, self.vocab, self.limits)
+        with self._admitted():
+            async with self.weight_gate.generating():
+                t0 = time.perf_counter()
+                outputs = await self._generate(prompts, params, cancel)
+                dt = time.perf_counter() - t0
+                version = self.policy_version
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
         with self._count_lock:
             self._counters["generate_requests"] += 1
@@ -195,10 +217,10 @@ class RolloutService:
         log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
         return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
 
-    async def _generate(self, prompts: list[list[int]], params):
+    async def _generate(self, prompts: list[list[int]], params, cancel: threading.Event | None = None):
         """The engine's samples; PolicyNotFinite (with this server's policy version) when its forward is not finite."""
         try:
-            outputs = await self.engine.generate_async(prompts, params)
+            outputs = await self.engine.generate_async(prompts, params, cancel)
             check_finite((s.logprobs for row in outputs for s in row), "generate")
         except PolicyNotFinite as e:
             raise self._not_finite(e) from None
@@ -218,17 +240,20 @@ class RolloutService:
                 self._tokenizer = load_tokenizer(self.model_path, self.trust_remote_code)
             return self._tokenizer
 
-    async def completions(self, body) -> dict:
+    async def completions(self, body, cancel: threading.Event | None = None) -> dict:
         """OpenAI-compatible text completion (non-streaming) for people poking a running server."""
         self._take_work()
         tok = await asyncio.to_thread(self.tokenizer)
-        prompts, params, want_lp = protocol.parse_completions(
-            body, lambda text: tok(text, add_special_tokens=False)["input_ids"], self.vocab, self.max_model_len)
+        # Tokenizing a long text takes a while: not on the event loop, which keeps serving.
+        prompts, params, want_lp = await asyncio.to_thread(
+            protocol.parse_completions, body, lambda text: tok(text, add_special_tokens=False)["input_ids"],
+            self.vocab, self.limits)
         if tok.eos_token_id is not None:
             params.stop_token_ids = [tok.eos_token_id]
-        async with self.weight_gate.generating():
-            outputs = await self._generate(prompts, params)
-            version = self.policy_version
+        with self._admitted():
+            async with self.weight_gate.generating():
+                outputs = await self._generate(prompts, params, cancel)
+                version = self.policy_version
         choices, ntok = [], 0
         for row in outputs:
             for s in row:
@@ -248,16 +273,16 @@ class RolloutService:
                 "model": self.model_path, "choices": choices, "policy_version": version,
                 "usage": {"prompt_tokens": nprompt, "completion_tokens": ntok, "total_tokens": nprompt + ntok}}
 
-    async def logprobs(self, body) -> dict:
-        toks, lens = protocol.parse_logprobs(body, self.vocab, self.max_model_len)
-        self._take_work()
-        async with self.weight_gate.generating():
-            try:
-                lps = await self.engine.prompt_logprobs_async(toks, lens)
-                check_finite(lps, "logprobs")
-            except PolicyNotFinite as e:
-                raise self._not_finite(e) from None
-            version = self.policy_version
+    async def logprobs(self, body, cancel: threading.Event | None = None) -> dict:
+        toks, lens = protocol.parse_logprobs(body, self.vocab, self.limits)
+        with self._admitted():
+            async with self.weight_gate.generating():
+                try:
+                    lps = await self.engine.prompt_logprobs_async(toks, lens, cancel)
+                    check_finite(lps, "logprobs")
+                except PolicyNotFinite as e:
+                    raise self._not_finite(e) from None
+                version = self.policy_version
         return {"policy_version": version, "logprobs": lps}
 
     def _swap(self, named: list, version: int) -> None:
@@ -361,8 +386,9 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         register_score_route(service, cfg, device, own_device=True)
     else:
         engine = make_engine(cfg, device)
-        service = RolloutService(engine, run, str(cfg.model.path), cfg.rollout.max_model_len,
-                                 _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code)
+        service = RolloutService(engine, run, str(cfg.model.path), protocol.RequestLimits.of(cfg.rollout),
+                                 _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code,
+                                 cfg.rollout.max_requests_in_flight)
         register_server_routes(service)  # /collective/*: the weight-sync group's server side
         if cfg.reward.on_rollout_servers:
             from ...rewards.serving import register_score_route

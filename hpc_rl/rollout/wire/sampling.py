@@ -5,9 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
-    """Per-request sampling settings; top_k -1 means off, seed None means nondeterministic."""
+    """Per-request sampling settings; top_k -1 means off.
+
+    Seeds: `seeds` (one per prompt) wins over `seed` (the request's: prompt i then has seed + i * n); sample j of a
+    prompt with seed s samples with s + j (vLLM's convention for a request's n children). None: nondeterministic."""
 
     n: int = 1
     max_new_tokens: int = 16
@@ -16,6 +22,18 @@ class SamplingParams:
     top_k: int = -1
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
+    seeds: list[int] | None = None
+
+    @property
+    def greedy(self) -> bool:
+        """Temperatures this small sample the argmax (vLLM's threshold): dividing logits by them overflows."""
+        return self.temperature < GREEDY_BELOW
+
+    def prompt_seed(self, i: int) -> int | None:
+        """The seed of prompt i of the request (None: nondeterministic)."""
+        if self.seeds is not None:
+            return int(self.seeds[i])
+        return None if self.seed is None else int(self.seed) + i * self.n
 
 
 @dataclass
