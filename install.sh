@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Containerless install of hpc-rl: six ordered, idempotent, self-verifying steps (DESIGN.md "Install").
+# Containerless install of hpc-rl: six ordered, idempotent, self-verifying steps (README "Install").
 # Never needs root (except --with-test-cluster, for CI/dev machines); writes only into the env
 # (PREFIX) and the repo (build/install-logs/). The exit code is `hpc-rl doctor`'s.
 set -uo pipefail

@@ -128,7 +128,7 @@ def bench_collective(eng, named) -> dict:
     """Collective sync through the real server routes (in this process) around the engine."""
     import threading
 
-    from hpc_rl.rollout.client.collective_sender import CollectiveSender
+    from hpc_rl.rollout.client.transports.collective import CollectiveSender
     from hpc_rl.rollout.server.collective_receiver import register_server_routes
     from hpc_rl.rollout.server.service import RolloutService, make_http_server
     from hpc_rl.rollout.wire.protocol import RequestLimits

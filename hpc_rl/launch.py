@@ -20,7 +20,6 @@ from .config import JobConfig
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
 from .errors import ConfigError, HpcRlError
-from .eval.evaluator import check_held_out, eval_data_config
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
 from .models.lora import check_targets as check_lora_targets
@@ -28,6 +27,7 @@ from .models.tiny import build_tiny_model
 from .models.tiny_reward import build_tiny_reward_model
 from .nccl import nccl_env
 from .netutil import advertise_host, free_port
+from .orchestrator.evaluation import check_held_out, eval_data_config
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model
 from .rundir import RunDir, read_json, write_json_atomic
@@ -289,7 +289,7 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
                     "LOCAL_WORLD_SIZE": str(ppn), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("HPC_RL_TRAINER_THREADS", str(cpu_threads(cfg, ppn, "trainer", cpus)))
-        cmd = [sys.executable, "-m", "hpc_rl.train.main", "--run-dir", str(run.root)]
+        cmd = [sys.executable, "-m", "hpc_rl.loop", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                              preexec_fn=_die_with_parent(cpus))
         tee = threading.Thread(target=_tee, args=(p.stdout, run.logs / f"trainer-{rank}.log",

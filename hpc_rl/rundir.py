@@ -1,6 +1,6 @@
 """The run directory: one place on the shared filesystem that every node of a job reads and writes.
 
-Layout (DESIGN.md "Job directory"): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl, eval.jsonl, eval/,
+Layout (README "Quick start" lists it): job.yaml, token (0600), rendezvous/, logs/, metrics.jsonl, eval.jsonl, eval/,
 tensorboard/, plots/, checkpoints/step_N/{hf,deepspeed}/ + checkpoints/latest, weights/ (file sync),
 model-init/ (a tiny model built for this run). Also: finding runs and sweeps by name, for every command.
 """

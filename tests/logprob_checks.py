@@ -42,8 +42,8 @@ def multi_turn_check(run, model_dir, max_model_len: int, turns: int = 3, rows: i
     """Trajectories of tests.envs:EchoEnv sampled by the run's server through the multi-turn loop, and the max
     |trainer - engine| log-prob over their assistant tokens (the trainer's forward: pack + policy_forward)."""
     from hpc_rl.models import load_tokenizer
+    from hpc_rl.orchestrator.multi_turn import Limits, MultiTurnRollout
     from hpc_rl.rollout.client.rollout_client import RolloutClient
-    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
     from hpc_rl.rollout.environments.tools import ToolContext
     from hpc_rl.rollout.wire.sampling import SamplingParams
     from hpc_rl.train.experience import pack, policy_forward

@@ -152,48 +152,53 @@ class _Rounds:
                                       "__len__": lambda s: n_rows})()
         self.calls = []
 
-    def _generate(self, step, idx, round_):
+    def generate(self, step, idx, round_):
+        from hpc_rl.orchestrator.batch import RolloutBatch
+
         self.calls.append((round_, list(idx)))
         rewards = [v for i in idx for v in ((1.0, 0.0) if i % 3 == 0 else (0.5, 0.5))]
         n = len(rewards)
-        return {"step": step, "prompts": [[i] for i in idx for _ in range(2)],
-                "responses": [[i, i] for i in idx for _ in range(2)], "rollout_logprobs": [[0.0, 0.0]] * n,
-                "versions": [step] * n, "truncated": [False] * n, "reward_parts": {"function": rewards},
-                "stats": {"gen_seconds": 1.0, "gen_tokens_per_s": 10.0, "reward_seconds": 0.1,
-                          "server_tokens/0": 2.0 * n}}
+        return RolloutBatch(step=step, prompts=[[i] for i in idx for _ in range(2)],
+                            responses=[[i, i] for i in idx for _ in range(2)], loss_masks=[[1, 1]] * n,
+                            rollout_logprobs=[[0.0, 0.0]] * n, versions=[step] * n, truncated=[False] * n,
+                            group_ids=[j // 2 for j in range(n)], prompt_ids=[100 + i for i in idx for _ in range(2)],
+                            reward_parts={"function": rewards},
+                            stats={"gen_seconds": 1.0, "gen_tokens_per_s": 10.0, "reward_seconds": 0.1,
+                                   "server_tokens/0": 2.0 * n})
 
 
 def test_dynamic_sampling_keeps_only_groups_with_a_spread_deterministically():
     from hpc_rl.data.sampler import indices_for_step
-    from hpc_rl.train.dynamic_sampling import dynamic_batch
+    from hpc_rl.orchestrator.dynamic_sampling import dynamic_batch
 
     m = _Rounds()
     idx = indices_for_step(30, 4, m.cfg.seed, 5)
     b = dynamic_batch(m, 5, idx)
-    groups = [b["responses"][k][0] for k in range(0, len(b["responses"]), 2)]
+    groups = [b.responses[k][0] for k in range(0, len(b), 2)]
     assert len(groups) == 4 and all(i % 3 == 0 for i in groups)  # only groups with a spread, exactly 4 of them
-    assert np.all(groups_with_spread(b["reward_parts"]["function"], 2))
-    assert b["stats"]["prompt_ids"] == [100 + i for i in groups]
-    assert b["stats"]["gen_batches"] == len(m.calls) > 1
-    assert b["stats"]["prompts_consumed"] == sum(len(c[1]) for c in m.calls)
-    assert b["stats"]["groups_kept_frac"] == pytest.approx(
-        sum(i % 3 == 0 for _, c in m.calls for i in c) / b["stats"]["prompts_consumed"])
-    assert b["stats"]["server_tokens/0"] == 2.0 * 2 * b["stats"]["prompts_consumed"]
+    assert np.all(groups_with_spread(b.reward_parts["function"], 2))
+    assert b.stats["prompt_ids"] == [100 + i for i in groups] == b.prompt_ids[::2]
+    assert b.group_ids == [j // 2 for j in range(8)]  # the chosen groups, numbered apart across rounds
+    assert b.stats["gen_batches"] == len(m.calls) > 1
+    assert b.stats["prompts_consumed"] == sum(len(c[1]) for c in m.calls)
+    assert b.stats["groups_kept_frac"] == pytest.approx(
+        sum(i % 3 == 0 for _, c in m.calls for i in c) / b.stats["prompts_consumed"])
+    assert b.stats["server_tokens/0"] == 2.0 * 2 * b.stats["prompts_consumed"]
     # every generated sample's task reward: 0.5 everywhere (a spread group: 1 and 0; the others 0.5 and 0.5)
-    assert b["stats"]["generated_reward_mean"] == pytest.approx(0.5)
+    assert b.stats["generated_reward_mean"] == pytest.approx(0.5)
     # A resume replays the same rounds: same prompts, same groups, same order.
     again = _Rounds()
-    assert dynamic_batch(again, 5, idx)["responses"] == b["responses"] and again.calls == m.calls
+    assert dynamic_batch(again, 5, idx).responses == b.responses and again.calls == m.calls
 
 
 def test_dynamic_sampling_out_of_rounds_warns_or_stops(caplog):
     from hpc_rl.errors import TrainingError
-    from hpc_rl.train.dynamic_sampling import dynamic_batch
+    from hpc_rl.orchestrator.dynamic_sampling import dynamic_batch
 
     idx = [1, 2, 4, 3]  # one group with a spread (3)
     b = dynamic_batch(_Rounds(max_gen_batches=1), 0, idx)
-    assert [b["responses"][k][0] for k in range(0, 8, 2)] == [3, 1, 2, 4]  # kept first, then filled
-    assert b["stats"]["groups_kept_frac"] == 0.25 and "kept 1 of 4 groups" in caplog.text
+    assert [b.responses[k][0] for k in range(0, 8, 2)] == [3, 1, 2, 4]  # kept first, then filled
+    assert b.stats["groups_kept_frac"] == 0.25 and "kept 1 of 4 groups" in caplog.text
     with pytest.raises(TrainingError, match=r"kept 1 of 4 groups with a reward spread after 1 round\(s\) \(4 prompts\)"
                        r"; raise algorithm.dynamic_sampling.max_gen_batches"):
         dynamic_batch(_Rounds(max_gen_batches=1, on_exhausted="error"), 0, idx)
@@ -224,3 +229,10 @@ def test_mask_truncated_zeroes_only_the_truncated_samples():
     # multi-turn masks (observations 0) are kept for the samples that are not truncated
     assert without_truncated(responses, [False, True, False], [[1, 0, 1], [1, 1], [0]]) == [[1, 0, 1], [0, 0], [0]]
     assert without_truncated(responses, [True, True, True]) == [[0, 0, 0], [0, 0], [0]]  # all truncated
+
+
+def test_every_policy_loss_of_the_config_is_implemented():
+    """The config's choices (algos/registry.py, no torch) and the implementations (algos/losses.py) are one set."""
+    from hpc_rl.algos import losses, registry
+
+    assert set(registry.POLICY_LOSSES) == set(losses.POLICY_LOSSES) == {"ppo", "cispo"}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hpc_rl import config
+from hpc_rl import checkpoints, config
 from hpc_rl.data.sampler import indices_for_step
 from hpc_rl.metrics import read_metrics
 from hpc_rl.models import load_causal_lm
@@ -50,7 +50,7 @@ def straight(tmp_path_factory):
     found = poll("the run dir", lambda: list((cwd / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
     servers = poll("the rollout server", lambda: procs_of(run.root, "hpc_rl.rollout.server"), 300, proc, log)
-    ranks = poll("the trainer ranks", lambda: procs_of(run.root, "hpc_rl.train.main"), 300, proc, log)
+    ranks = poll("the trainer ranks", lambda: procs_of(run.root, "hpc_rl.loop"), 300, proc, log)
     affinity = {"server": [os.sched_getaffinity(p) for p in servers], "ranks": [os.sched_getaffinity(p) for p in ranks]}
     assert proc.wait(timeout=900) == 0, log.read_text()[-3000:]
     return run, read_metrics(run.metrics), affinity
@@ -89,24 +89,24 @@ def test_every_sample_comes_from_the_version_it_reports(straight):
     tok = load_tokenizer(cfg.model.path)
 
     def model_of(version):
-        path = cfg.model.path if version == 0 else checkpoint.step_dir(run, version) / "hf"
+        path = cfg.model.path if version == 0 else checkpoints.step_dir(run, version) / "hf"
         return load_causal_lm(str(path), dtype="float32").eval()
 
     checked = 0
     for ckpt_step in (3, 5):
-        pending = checkpoint.load_pending(checkpoint.step_dir(run, ckpt_step))
-        assert [b["step"] for b in pending] == [ckpt_step, ckpt_step + 1]
+        pending = checkpoint.load_pending(checkpoints.step_dir(run, ckpt_step))
+        assert [b.step for b in pending] == [ckpt_step, ckpt_step + 1]
         for b in pending:
-            (version,) = set(b["versions"])
-            assert version == b["step"] - N
-            lp_engine = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in b["rollout_logprobs"]], True)
-            same, mask = _logprobs(model_of(version), b["prompts"], b["responses"], tok.pad_token_id)
-            newer, _ = _logprobs(model_of(version + 1), b["prompts"], b["responses"], tok.pad_token_id)
+            (version,) = set(b.versions)
+            assert version == b.step - N
+            lp_engine = torch.nn.utils.rnn.pad_sequence([torch.tensor(x) for x in b.rollout_logprobs], True)
+            same, mask = _logprobs(model_of(version), b.prompts, b.responses, tok.pad_token_id)
+            newer, _ = _logprobs(model_of(version + 1), b.prompts, b.responses, tok.pad_token_id)
             width = lp_engine.shape[1]
             diff_same = ((same[:, :width] - lp_engine).abs() * mask[:, :width]).max().item()
             diff_newer = ((newer[:, :width] - lp_engine).abs() * mask[:, :width]).max().item()
-            assert diff_same < 1e-4, (b["step"], version, diff_same)
-            assert diff_newer > 1e-3, (b["step"], version, diff_newer)
+            assert diff_same < 1e-4, (b.step, version, diff_same)
+            assert diff_newer > 1e-3, (b.step, version, diff_newer)
             checked += 1
     assert checked == 4
 
@@ -134,7 +134,7 @@ def test_sigkill_and_preemption_resume_on_exactly_the_uninterrupted_data(straigh
     log = tmp_path / "a1.log"
     proc = _start(tmp_path, log, "--resume", str(run.root), *EVAL)
     poll("step 6", lambda: re.search(rf"step 6/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
-    for pid in procs_of(run.root, "hpc_rl.train.main"):  # what Slurm does before a preemption
+    for pid in procs_of(run.root, "hpc_rl.loop"):  # what Slurm does before a preemption
         os.kill(pid, signal.SIGUSR2)
     assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     text = log.read_text(errors="replace")

@@ -39,6 +39,7 @@ def _rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
 
 def _one_update(rank: int, model_dir: str, out_dir: str, budget: int) -> dict:
     from hpc_rl import config
+    from hpc_rl.orchestrator.batch import RolloutBatch
     from hpc_rl.rundir import RunDir
     from hpc_rl.train import experience
     from hpc_rl.train.distributed import init_distributed
@@ -55,16 +56,17 @@ def _one_update(rank: int, model_dir: str, out_dir: str, budget: int) -> dict:
     # parameter hooks; the padded side in one chunk.
     experience.LOGIT_CHUNK_BYTES = 4 * vocab * 5 if budget else DEFAULT_CHUNK
     prompts, responses, scores = _payload(vocab)
-    payload = {"prompts": prompts, "responses": responses, "scores": scores,
-               "rollout_logprobs": [[0.0] * len(r) for r in responses]}
-    shard = trainer._shard(payload)
+    n = len(prompts)
+    batch = RolloutBatch(step=0, prompts=prompts, responses=responses, loss_masks=[[1] * len(r) for r in responses],
+                         rollout_logprobs=[[0.0] * len(r) for r in responses], versions=[0] * n, truncated=[False] * n,
+                         group_ids=list(range(n)), prompt_ids=list(range(n)))
+    shard = trainer.shard(batch, scores)
     counts = []  # micro-batches of each planned pass (no-grad forwards, then the one mini-batch)
-    plan = trainer._micro_batches
-    trainer._micro_batches = lambda batch, rows: counts.append(len(out := plan(batch, rows))) or out
-    trainer._tokens = [0, 0]
-    fwd = trainer._forwards(shard)
-    adv, returns = trainer._advantages(shard, fwd)
-    stats = trainer._update(shard, fwd, adv, returns)
+    plan = trainer.micro_batches
+    trainer.micro_batches = lambda batch, rows: counts.append(len(out := plan(batch, rows))) or out
+    fwd = trainer.forwards(shard)
+    adv, returns = trainer.advantages(shard, fwd)
+    stats = trainer.update(0, shard, fwd, adv, returns)
     computed, real = trainer._tokens
     return {"grad_norm": stats["grad_norm"], "critic_grad_norm": float(trainer.critic.get_global_grad_norm()),
             "actor_steps": trainer.actor.global_steps, "critic_steps": trainer.critic.global_steps,

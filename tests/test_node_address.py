@@ -52,8 +52,9 @@ def test_master_server_and_weight_sync_group_use_node_addr(loopback_hostname, mo
         model = load_causal_lm(tiny_model)
         res = client.push_weights(list(model.state_dict().items()), version=1)
         assert res["transport"] == "collective"
-        assert client._sender.master_addr == NODE_ADDR  # rank 0 of the group advertised the node address
-        joined = f"joining the group at {NODE_ADDR}:{client._sender.master_port} as rank 1"
+        sender = client.weights.transports["collective"].sender
+        assert sender.master_addr == NODE_ADDR  # rank 0 of the group advertised the node address
+        joined = f"joining the group at {NODE_ADDR}:{sender.master_port} as rank 1"
         assert joined in (run.logs / "rollout-0.log").read_text()  # ... and the server dialled it there
         client.close()
     finally:

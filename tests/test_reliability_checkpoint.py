@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+from hpc_rl import checkpoints
 from hpc_rl.rundir import RunDir, write_json_atomic
 from hpc_rl.train import checkpoint
 
@@ -23,8 +24,8 @@ def _fake_checkpoint(run: RunDir, step: int, finish: bool = True):
     (tmp / "trainer_state.json").write_text(f'{{"step": {step}}}')
     if not finish:
         return tmp
-    write_json_atomic(tmp / "manifest.json", checkpoint._manifest(tmp))
-    final = checkpoint.step_dir(run, step)
+    write_json_atomic(tmp / "manifest.json", checkpoints.manifest(tmp))
+    final = checkpoints.step_dir(run, step)
     os.rename(tmp, final)
     (run.checkpoints / "latest").write_text(final.name)
     return final
@@ -40,8 +41,8 @@ def run(tmp_path):
 def test_complete_checkpoints_verify_and_newest_wins(run):
     _fake_checkpoint(run, 1)
     _fake_checkpoint(run, 2)
-    assert checkpoint.verify(checkpoint.step_dir(run, 2))
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 2)
+    assert checkpoints.verify(checkpoints.step_dir(run, 2))
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 2)
 
 
 def test_cut_at_every_byte_falls_back_to_previous(run):
@@ -60,11 +61,11 @@ def test_cut_at_every_byte_falls_back_to_previous(run):
         offsets = range(len(data)) if len(data) <= 400 else sorted(rng.sample(range(len(data)), 64) + [0])
         for n in offsets:
             f.write_bytes(data[:n])
-            assert not checkpoint.verify(newest), (f, n)
-            assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1), (f, n)
+            assert not checkpoints.verify(newest), (f, n)
+            assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 1), (f, n)
             cuts += 1
         f.write_bytes(data)
-        assert checkpoint.find_latest(run) == newest
+        assert checkpoints.find_latest(run) == newest
     assert cuts > 200
 
 
@@ -72,16 +73,16 @@ def test_missing_file_or_manifest_falls_back(run):
     _fake_checkpoint(run, 1)
     newest = _fake_checkpoint(run, 2)
     (newest / "hf" / "model.safetensors").unlink()
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 1)
     (newest / "manifest.json").unlink()
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 1)
 
 
 def test_killed_save_leaves_tmp_that_is_never_picked(run):
     _fake_checkpoint(run, 1)
     _fake_checkpoint(run, 2, finish=False)  # killed before the manifest and the rename
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 1)
-    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_1"]
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 1)
+    assert [p.name for p in checkpoints.list_checkpoints(run)] == ["step_1"]
 
 
 def test_kill_between_rename_and_pointer_keeps_the_renamed_step(run):
@@ -89,22 +90,22 @@ def test_kill_between_rename_and_pointer_keeps_the_renamed_step(run):
     _fake_checkpoint(run, 1)
     _fake_checkpoint(run, 2)
     (run.checkpoints / "latest").write_text("step_1")
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, 2)
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, 2)
 
 
 def test_no_checkpoint_at_all(run):
-    assert checkpoint.find_latest(run) is None
+    assert checkpoints.find_latest(run) is None
     _fake_checkpoint(run, 1)
-    (checkpoint.step_dir(run, 1) / "trainer_state.json").write_text("")
-    assert checkpoint.find_latest(run) is None
+    (checkpoints.step_dir(run, 1) / "trainer_state.json").write_text("")
+    assert checkpoints.find_latest(run) is None
 
 
 def test_prune_never_deletes_latest(run):
     for s in (1, 2, 3, 4):
         _fake_checkpoint(run, s)
     (run.checkpoints / "latest").write_text("step_1")
-    checkpoint._prune(run, 2, checkpoint.step_dir(run, 1))
-    assert [p.name for p in checkpoint.list_checkpoints(run)] == ["step_1", "step_3", "step_4"]
+    checkpoints.prune(run, 2, checkpoints.step_dir(run, 1))
+    assert [p.name for p in checkpoints.list_checkpoints(run)] == ["step_1", "step_3", "step_4"]
 
 
 class _ShardWriter:
@@ -138,7 +139,7 @@ def test_save_flushes_every_file_and_directory_before_the_rename(run, monkeypatc
     monkeypatch.setattr(os, "rename", rename)
     final = checkpoint.save(run, 3, {"actor": _ShardWriter()}, {"step": 3}, {"w": torch.ones(4, 4)},
                             PretrainedConfig(), None, keep_last=2, rank=0)
-    assert checkpoint.verify(final)
+    assert checkpoints.verify(final)
     (i,) = [k for k, e in enumerate(events) if e[0] == "rename" and e[2] == str(final)]
     tmp = events[i][1]
     synced = {e[1] for e in events[:i] if e[0] == "fsync"}

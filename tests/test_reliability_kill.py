@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from hpc_rl import config
+from hpc_rl import checkpoints, config
 from hpc_rl.data.sampler import indices_for_step
 from hpc_rl.metrics import read_metrics
 from hpc_rl.rundir import RunDir
-from hpc_rl.train import checkpoint
 
 from .local_run import poll, procs_of
 
@@ -71,7 +70,7 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
     lost, kills = [], []
     for i, mode in enumerate(modes):
         log = tmp_path / f"attempt-{i}.log"
-        before = _ckpt_step(checkpoint.find_latest(run)) if run else 0
+        before = _ckpt_step(checkpoints.find_latest(run)) if run else 0
         proc = _start(tmp_path, log, run.root if run else None)
         t0 = time.time()
         if run is None:
@@ -100,9 +99,9 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
 
         # At most one step of work lost: the newest complete checkpoint is at most one step behind the
         # last step that finished (its metrics row is written just before its checkpoint).
-        latest = checkpoint.find_latest(run)
+        latest = checkpoints.find_latest(run)
         done = _last_metrics_step(run)
-        assert latest is None or checkpoint.verify(latest)
+        assert latest is None or checkpoints.verify(latest)
         assert _ckpt_step(latest) >= before, "a kill destroyed an older complete checkpoint"
         assert done - _ckpt_step(latest) <= 1, (i, mode, done, latest)
         lost.append(done - _ckpt_step(latest))
@@ -125,6 +124,6 @@ def test_sigkill_at_seeded_points_resumes_exactly(tmp_path):
         assert r["prompt_ids"] == indices_for_step(cfg.data.toy_size, 8, cfg.seed, r["step"] - 1)
         assert r["policy_version"] == r["step"]
     assert json.loads(run.done_file.read_text())["step"] == STEPS
-    assert checkpoint.find_latest(run) == checkpoint.step_dir(run, STEPS)
+    assert checkpoints.find_latest(run) == checkpoints.step_dir(run, STEPS)
     print(f"\nkill points survived: {len(kills)} {kills}; steps lost per kill: {lost} (max {max(lost)})")
     assert len(kills) == 10

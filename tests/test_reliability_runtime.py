@@ -99,7 +99,7 @@ def test_reward_returning_nan_stops_the_run_with_one_line(tmp_path):
 def test_trainer_rank_death_fails_fast_naming_rank_and_node(tmp_path):
     proc, log = _start(tmp_path, "trainer.steps=40")
     _wait_text(proc, log, r"step 2/40 ")
-    os.kill(_pid_of(tmp_path, "hpc_rl.train.main", env_has="RANK=1"), signal.SIGKILL)
+    os.kill(_pid_of(tmp_path, "hpc_rl.loop", env_has="RANK=1"), signal.SIGKILL)
     t0 = time.time()
     rc = proc.wait(timeout=120)
     took = time.time() - t0
@@ -169,10 +169,10 @@ def test_all_rollout_servers_gone_stops_with_checkpoint_and_names_them(tmp_path)
     run = _run_dir(tmp_path)
     rows = read_metrics(run / "metrics.jsonl")
     assert kept == rows[-1]["step"] >= 2  # every finished step is kept
+    from hpc_rl import checkpoints
     from hpc_rl.rundir import RunDir
-    from hpc_rl.train import checkpoint
 
-    assert checkpoint.find_latest(RunDir(run)) == checkpoint.step_dir(RunDir(run), kept)
+    assert checkpoints.find_latest(RunDir(run)) == checkpoints.step_dir(RunDir(run), kept)
     assert _no_processes_left(tmp_path)
 
 

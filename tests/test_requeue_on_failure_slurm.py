@@ -24,7 +24,7 @@ STEPS = 8
 def _rank_pid(run: Path, rank: int) -> int | None:
     """The pid of trainer rank `rank` of this run (found through its environment)."""
     for pid, (cmd, env) in processes_naming(run).items():
-        if b"hpc_rl.train.main" in cmd and str(run).encode() in cmd and f"RANK={rank}".encode() in env.split(b"\0"):
+        if b"hpc_rl.loop" in cmd and str(run).encode() in cmd and f"RANK={rank}".encode() in env.split(b"\0"):
             return pid
     return None
 

@@ -95,7 +95,7 @@ def test_collective_push_survives_a_killed_server(pair, caplog):
     assert not c.servers[1].healthy
     # the next push forms a new group with the living server only
     assert c.push_weights(list(m.state_dict().items()), version=4)["transport"] == "collective"
-    assert c._sender.servers == [c.servers[0].url]
+    assert c.weights.transports["collective"].sender.servers == [c.servers[0].url]
     assert c.generate(PROMPTS, PARAMS, step=4).policy_versions == [4] * 6
 
     # The launcher restarts the dead server: it serves stale (initial) weights, so it gets no work
@@ -108,7 +108,7 @@ def test_collective_push_survives_a_killed_server(pair, caplog):
     with caplog.at_level(logging.INFO, logger="hpc_rl"):
         assert c.push_weights(list(m.state_dict().items()), version=5)["transport"] == "collective"
     assert any("rejoins" in r.getMessage() for r in caplog.records)
-    assert sorted(c._sender.servers) == sorted(s.url for s in c.servers.values())
+    assert sorted(c.weights.transports["collective"].sender.servers) == sorted(s.url for s in c.servers.values())
     assert c.servers[1].session.get(c.servers[1].url + "/version", timeout=5).json()["policy_version"] == 5
     res = c.generate(PROMPTS, PARAMS, step=5)
     assert res.policy_versions == [5] * 6 and res.outputs == pair.baseline
@@ -147,7 +147,7 @@ def test_registrations_that_are_not_servers_of_this_run_change_nothing(pair, cap
     import http.server
     import threading
 
-    from hpc_rl.rollout.client.rollout_client import _HTTPFailure
+    from hpc_rl.rollout.client.routing import HTTPFailure
 
     class Foreign(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -179,10 +179,10 @@ def test_registrations_that_are_not_servers_of_this_run_change_nothing(pair, cap
         warned = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ignoring ")]
         assert sorted(w.split()[1].rsplit("/", 1)[1].rstrip(":") for w in warned) == \
             ["rollout-6.json", "rollout-7.json", "rollout-8.json", "rollout-x.json"], warned
-        assert res.outputs == pair.baseline and c._n_chunks() == 2
+        assert res.outputs == pair.baseline and c.router.n_chunks() == 2
         assert not any("joined" in e for e in c.membership_events())
-        with pytest.raises(_HTTPFailure):
-            c._post_json(c.servers[9], "/generate", {}, 5)
+        with pytest.raises(HTTPFailure):
+            c.router.post_json(c.servers[9], "/generate", {}, 5)
     finally:
         for name in forged:
             (rdv / name).unlink()
@@ -218,7 +218,7 @@ def test_a_server_that_registers_mid_run_joins_at_the_next_push(pair, caplog):
 
 
 def test_split_weighted_by_hand():
-    from hpc_rl.rollout.client.rollout_client import split_contiguous, split_weighted
+    from hpc_rl.rollout.client.routing import split_contiguous, split_weighted
 
     assert split_weighted(10, [1, 1, 1]) == split_contiguous(10, 3) == [(0, 4), (4, 7), (7, 10)]
     assert split_weighted(10, [3, 1]) == [(0, 8), (8, 10)]  # 7.5 / 2.5: the tie goes to the first
@@ -238,8 +238,8 @@ def test_a_joined_server_gets_work_by_its_measured_throughput(pair):
     try:
         wait_rendezvous(pair.run, 7, proc)
         c.wait_ready(1, timeout_s=30)  # server 0 of the job's own; 7 joins (before any push: at once)
-        c._rejoin()
-        assert sorted(s.index for s in c._healthy() if s.verified) == [0, 7] and c._elastic()
+        c.rejoin()
+        assert sorted(s.index for s in c.healthy() if s.verified) == [0, 7] and c.elastic()
         prompts = [[5 + i, 6, 7] for i in range(8)]
         res = c.generate(prompts, PARAMS, step=1)  # unmeasured: equal shares
         assert set(res.server_tokens) == {0, 7} and sum(res.server_tokens.values()) == sum(
@@ -248,14 +248,14 @@ def test_a_joined_server_gets_work_by_its_measured_throughput(pair):
         assert c.take_server_tokens() == res.server_tokens and c.take_server_tokens() == {}
         c.servers[0].tokens_per_s, c.servers[7].tokens_per_s = 300.0, 100.0
         sizes, lock = [], threading.Lock()
-        real = c._post_json
+        real = c.router.post_json
 
         def seen(srv, path, body, timeout):
             with lock:
                 sizes.append((srv.index, len(body["prompt_token_ids"])))
             return real(srv, path, body, timeout)
 
-        c._post_json = seen
+        c.router.post_json = seen
         c.generate(prompts, PARAMS, step=2)
         assert sorted(sizes) == [(0, 6), (7, 2)]  # 3:1
     finally:

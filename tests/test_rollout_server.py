@@ -121,7 +121,7 @@ def test_multi_turn_tool_timeout_ends_the_trajectory(srv):
     """An environment step past rollout.tool_timeout_s ends its trajectory as truncated, counted as a tool error; the
     loop does not wait for it."""
     from hpc_rl.models import load_tokenizer
-    from hpc_rl.rollout.environments.loop import Limits, MultiTurnRollout
+    from hpc_rl.orchestrator.multi_turn import Limits, MultiTurnRollout
     from hpc_rl.rollout.environments.tools import ToolContext
     from hpc_rl.rollout.wire.sampling import SamplingParams
     from tests.envs import SlowEnv
@@ -250,7 +250,7 @@ def test_weight_push_collective(srv):
         assert srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"] == version
         for g, w in zip(served_logprobs(srv.url, srv.s, 30), local_logprobs(m)):
             assert g == pytest.approx(w, abs=TOL)
-    group = client._sender
+    group = client.weights.transports["collective"].sender
     assert group is not None and group.pg is not None  # one group, reused for both versions
     st = srv.s.get(srv.url + "/collective/status", timeout=5).json()
     assert st["joined"] and st["version"] == 4 and not st["busy"] and st["error"] is None

@@ -9,7 +9,7 @@ import torch
 
 from hpc_rl.netutil import advertise_host
 from hpc_rl.orchestrator import seeds
-from hpc_rl.rollout.client.rollout_client import split_contiguous
+from hpc_rl.rollout.client.routing import split_contiguous
 from hpc_rl.rollout.server.engine_hf import filter_logits
 from hpc_rl.rollout.wire import protocol
 from hpc_rl.rollout.wire.weights import (
@@ -262,6 +262,7 @@ def test_weight_gate_load_waits_for_running_generations_and_holds_new_ones_back(
 def test_a_server_that_fails_its_rejoin_probe_is_probed_again_only_after_a_growing_wait(tmp_path, monkeypatch):
     """A hung server (no answer to /health) costs a weight push one health timeout per REPROBE_S wait, not one per
     push; a server that answers again rejoins at the first push after its wait; a restarted one (new address) at once."""
+    from hpc_rl.rollout.client import pool as pool_mod
     from hpc_rl.rollout.client import rollout_client as client_mod
     from hpc_rl.rundir import RunDir, write_json_atomic
 
@@ -275,36 +276,36 @@ def test_a_server_that_fails_its_rejoin_probe_is_probed_again_only_after_a_growi
     now = [100.0]
     probes: list[str] = []
     answers = {"http://h:1": None}
-    monkeypatch.setattr(client_mod.time, "monotonic", lambda: now[0])
-    monkeypatch.setattr(c, "_health", lambda s: probes.append(s.url) or answers.get(s.url))
-    lo, hi = client_mod.REPROBE_S
+    monkeypatch.setattr(pool_mod.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(c, "health", lambda s: probes.append(s.url) or answers.get(s.url))
+    lo, hi = pool_mod.REPROBE_S
 
-    c._rejoin()
+    c.rejoin()
     assert probes == ["http://h:1"] and srv.reprobe_at == 100.0 + lo
     now[0] += lo - 1
-    c._rejoin()
+    c.rejoin()
     assert len(probes) == 1  # still waiting
     now[0] += 1
-    c._rejoin()
+    c.rejoin()
     assert len(probes) == 2 and srv.reprobe_at == now[0] + 2 * lo  # the wait doubles
     for _ in range(10):
         now[0] = srv.reprobe_at
-        c._rejoin()
+        c.rejoin()
     assert srv.reprobe_wait == hi and not srv.healthy
 
     answers["http://h:1"] = {"policy_version": 0}  # answers again: rejoins once its wait is over
     now[0] = srv.reprobe_at
-    c._rejoin()
+    c.rejoin()
     assert srv.healthy and srv.reprobe_wait == 0.0
 
     srv.healthy, srv.reprobe_at = False, now[0] + hi  # out again, far from its next probe ...
     write_json_atomic(run.rollout_file(0), {"url": "http://h:2", "index": 0})  # ... but restarted elsewhere
     answers["http://h:2"] = {"policy_version": 0}
-    c._rejoin()
+    c.rejoin()
     assert probes[-1] == "http://h:2" and c.servers[0].healthy
 
     # Every server out: the fallback re-probe that brings one back also restarts its backoff.
     srv = c.servers[0]
     srv.healthy, srv.reprobe_at, srv.reprobe_wait = False, now[0] + hi, hi
     answers["http://h:2"] = {"policy_version": 1}
-    assert c._healthy() == [srv] and srv.reprobe_wait == 0.0 and srv.reprobe_at == 0.0
+    assert c.healthy() == [srv] and srv.reprobe_wait == 0.0 and srv.reprobe_at == 0.0

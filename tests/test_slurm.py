@@ -95,7 +95,7 @@ def test_cancel_ends_every_process_of_the_job(slurm_cluster, tmp_path):
         assert server["hostname"] == "n3" and server["host"] == NODE_ADDRS["n3"]
         before = job_processes(run)
         assert server["pid"] in before, before
-        assert sum("hpc_rl.train.main" in c for c in before.values()) == 4, before
+        assert sum("hpc_rl.loop" in c for c in before.values()) == 4, before
         assert status(run)["state"] == "RUNNING"
 
         p = hpc_rl("cancel", str(run), timeout=180)

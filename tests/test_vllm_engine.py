@@ -132,7 +132,7 @@ def test_update_then_prompt_logprobs_match_hf(engine, tiny_path):
 
 def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
     """bf16 over the wire: the routes of the real server (in this process) around the module's engine."""
-    from hpc_rl.rollout.client.collective_sender import CollectiveSender
+    from hpc_rl.rollout.client.transports.collective import CollectiveSender
     from hpc_rl.rollout.server.collective_receiver import register_server_routes
     from hpc_rl.rollout.server.service import RolloutService, make_http_server
     from hpc_rl.rollout.wire.collective import CollectiveError

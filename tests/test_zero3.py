@@ -19,7 +19,7 @@ def _rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> Non
     from hpc_rl.train.distributed import shutdown_distributed
 
     _train_one_step(rank, world, model_dir, out_dir)
-    shutdown_distributed()  # as hpc_rl.train.main does, once the engines are out of scope
+    shutdown_distributed()  # as hpc_rl.loop does, once the engines are out of scope
 
 
 def _train_one_step(rank: int, world: int, model_dir: str, out_dir: str) -> None:

@@ -43,3 +43,20 @@ ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
 def algorithm(name: str) -> Algorithm:
     """The registry entry of `name` (config validation has already checked that it exists)."""
     return ALGORITHMS[name]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """What the config needs to know of one policy loss (losses.py registers its function under the same name)."""
+
+    name: str
+    # algorithm.clip_ratio 1.0 is allowed and means no lower bound (CISPO's importance weight); otherwise the lower
+    # clip must stay below 1 (a ratio clipped at 0 would make PPO's surrogate meaningless).
+    clip_ratio_1_is_none: bool = False
+    source: str = ""
+
+
+POLICY_LOSSES: dict[str, PolicyLoss] = {p.name: p for p in (
+    PolicyLoss("ppo", source="https://arxiv.org/abs/1707.06347"),
+    PolicyLoss("cispo", clip_ratio_1_is_none=True, source="https://arxiv.org/abs/2506.13585 (MiniMax-M1)"),
+)}

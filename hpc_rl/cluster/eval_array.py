@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import subprocess
 import time
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import submitit
 
 from .. import config
 from ..config import JobConfig
-from ..errors import ClusterError
 from ..logs import setup_logging
 from ..rundir import RunDir, read_json, write_json_atomic
 from . import slurmq
@@ -95,16 +93,13 @@ def submit_eval_array(run: RunDir, cfg: JobConfig, steps: list[int], overrides: 
         return 0
     slurmq.need_sbatch("submit", "`hpc-rl eval RUN` without --submit evaluates on this machine")
     folder = run.root / EVAL_SUBMITIT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    executor = submitit.SlurmExecutor(folder=folder)
-    executor.update_parameters(**eval_array_params(cfg, run.root))
-    try:
+
+    def send(executor):
         with executor.batch():
-            jobs = [executor.submit(EvalTask(run.root, s, overrides)) for s in steps]
-    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
-        msg = " ".join(str(e).split())[-400:]
-        raise ClusterError(f"sbatch refused the evaluation array ({msg}); check slurm.partition/account/qos/time "
-                           "against `sinfo`") from None
+            return [executor.submit(EvalTask(run.root, s, overrides)) for s in steps]
+
+    jobs = slurmq.submit(folder, eval_array_params(cfg, run.root), send, "the evaluation array",
+                         "slurm.partition/account/qos/time against `sinfo`")
     array_id = str(jobs[0].job_id).split("_")[0]
     subs = read_json(run.root / SUBMISSIONS_JSON) or {"submissions": []}
     subs["submissions"].append({"array_job_id": array_id, "steps": steps, "overrides": overrides,

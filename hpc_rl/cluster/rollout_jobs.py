@@ -28,7 +28,7 @@ from ..config import JobConfig
 from ..errors import ClusterError, ConfigError
 from ..logs import setup_logging
 from ..netutil import auth_session
-from ..rollout.client.rollout_client import registration_problem
+from ..rollout.client.pool import registration_problem
 from ..rollout.wire.protocol import DRAIN_S
 from ..rundir import RunDir, find, read_json, write_json_atomic
 from . import slurmq
@@ -184,18 +184,11 @@ def add_rollout_job(target: str, nodes: int = 1, servers_per_node: int | None = 
               f"{first + nodes * spn - 1} of run {run.name}")
         return 0
     slurmq.need_sbatch("add rollout jobs", "--dry-run prints the script")
-    folder = run.root / ROLLOUT_SUBMITIT_DIR
-    folder.mkdir(parents=True, exist_ok=True)
     with _jobs_locked(run):
         first = next_first_index(run, cfg)
-        executor = submitit.SlurmExecutor(folder=folder)
-        executor.update_parameters(**rollout_job_params(cfg, run.root, nodes, overrides))
-        try:
-            job = executor.submit(RolloutJobTask(run.root, first, spn, engine))
-        except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
-            msg = " ".join(str(e).split())[-400:]
-            raise ClusterError(f"sbatch refused the rollout job ({msg}); check slurm.partition/account/qos/time/"
-                               "gpus_per_node against `sinfo`") from None
+        job = slurmq.submit(run.root / ROLLOUT_SUBMITIT_DIR, rollout_job_params(cfg, run.root, nodes, overrides),
+                            lambda ex: ex.submit(RolloutJobTask(run.root, first, spn, engine)), "the rollout job",
+                            "slurm.partition/account/qos/time/gpus_per_node against `sinfo`")
         jobs = read_jobs(run)
         jobs.append({"job_id": str(job.job_id), "first_index": first, "servers": nodes * spn, "nodes": nodes,
                      "servers_per_node": spn, "overrides": overrides, "submitted_at": time.time()})

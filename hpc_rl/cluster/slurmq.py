@@ -1,10 +1,14 @@
-"""Asking Slurm about a job: squeue, then scontrol, then sacct (absent without slurmdbd); scancel."""
+"""Talking to Slurm: submitting through submitit (`submit`), asking about a job (squeue, then scontrol, then sacct,
+absent without slurmdbd), scancel."""
 
 from __future__ import annotations
 
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
 
 from ..errors import ClusterError
 
@@ -32,6 +36,24 @@ def _merge(states: list[str]) -> str | None:
         return active[0]
     bad = [s for s in states if s != "COMPLETED"]
     return bad[0] if bad else "COMPLETED"
+
+
+T = TypeVar("T")
+
+
+def submit(folder: Path, params: dict, send: Callable[..., T], what: str, check: str) -> T:
+    """`send(executor)` with a submitit SlurmExecutor writing to `folder` (made here) with `params`; sbatch's refusal
+    is a ClusterError naming `what` was refused and what to `check`."""
+    import submitit
+
+    folder.mkdir(parents=True, exist_ok=True)
+    executor = submitit.SlurmExecutor(folder=folder)
+    executor.update_parameters(**params)
+    try:
+        return send(executor)
+    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
+        msg = " ".join(str(e).split())[-400:]
+        raise ClusterError(f"sbatch refused {what} ({msg}); check {check}") from None
 
 
 def need_sbatch(what: str, instead: str) -> None:

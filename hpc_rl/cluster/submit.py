@@ -33,18 +33,11 @@ def _print_dry_run(cfg: config.JobConfig) -> None:
 
 
 def _submit_single(run: RunDir, cfg: config.JobConfig) -> str:
-    import submitit
-
     from .task import NodeTask
 
-    executor = submitit.SlurmExecutor(folder=run.root / SUBMITIT_DIR)
-    executor.update_parameters(**executor_params(cfg, run.root))
-    try:
-        job = executor.submit(NodeTask(run.root))
-    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
-        msg = " ".join(str(e).split())[-400:]
-        raise ClusterError(f"sbatch refused the job ({msg}); check slurm.partition/account/qos/time/gpus_per_node "
-                           "against `sinfo`, or fix the option named above") from None
+    job = slurmq.submit(run.root / SUBMITIT_DIR, executor_params(cfg, run.root), lambda ex: ex.submit(NodeTask(run.root)),
+                        "the job", "slurm.partition/account/qos/time/gpus_per_node against `sinfo`, or fix the option "
+                        "named above")
     return str(job.job_id)
 
 

@@ -251,7 +251,6 @@ def _link_element_files(run_root: Path, sweep_root: Path, element_id: str, nodes
 
 def submit_points(root: Path, state: dict, indices: list[int]) -> str:
     """Submit the given points as one array (one submitit job per point); records it in sweep.json."""
-    import submitit
 
     from .task import NodeTask
 
@@ -264,14 +263,9 @@ def submit_points(root: Path, state: dict, indices: list[int]) -> str:
     for task, r in enumerate(runs):
         (slot_dir / str(task)).symlink_to(os.path.relpath(r.root, slot_dir))
     params = array_params(cfgs, slot_dir, state["name"], state.get("max_parallel"))
-    executor = submitit.SlurmExecutor(folder=root / SUBMITIT_DIR)
-    executor.update_parameters(**params)
-    try:
-        jobs = executor.submit_array([NodeTask(r.root) for r in runs])
-    except (submitit.core.utils.FailedJobError, subprocess.CalledProcessError, OSError) as e:
-        msg = " ".join(str(e).split())[-400:]
-        raise ClusterError(f"sbatch refused the job array ({msg}); check slurm.partition/account/qos/time and "
-                           "MaxArraySize against `scontrol show config`") from None
+    jobs = slurmq.submit(root / SUBMITIT_DIR, params, lambda ex: ex.submit_array([NodeTask(r.root) for r in runs]),
+                         "the job array", "slurm.partition/account/qos/time and MaxArraySize against `scontrol show "
+                         "config`")
     array_id = str(jobs[0].job_id).split("_")[0]
     nodes = total_nodes(cfgs[0])
     now = time.time()

@@ -59,11 +59,14 @@ def copy_pair_corpus() -> list[str]:
     return [f"copy {a} {b} : {a} {b}" for a in range(10) for b in range(10)]
 
 
-def lookup_rows(n: int, seed: int) -> list[dict]:
+def lookup_rows(n: int, seed: int, split: str = "train") -> list[dict]:
     """`n` rows {prompt: `find K`, ground_truth: the digit hidden under key K, id}: the digit is drawn
-    independently of the key, so only the lookup tool (hpc_rl.rollout.environments.toy:LookupEnv) reveals it."""
+    independently of the key, so only the lookup tool (hpc_rl.rollout.environments.toy:LookupEnv) reveals it.
+    The test split asks for keys the train split never names (letters the tokenizer knows from `find` and
+    `look`): held-out prompts whose answer, again, only the tool gives."""
     rng = random.Random(seed)
-    return [{"id": i, "prompt": f"find {rng.choice(LOOKUP_KEYS)}", "ground_truth": str(rng.randrange(10))}
+    keys = LOOKUP_KEYS if split == "train" else LOOKUP_HELD_OUT_KEYS
+    return [{"id": i, "prompt": f"find {rng.choice(keys)}", "ground_truth": str(rng.randrange(10))}
             for i in range(n)]
 
 
@@ -72,6 +75,7 @@ def lookup_corpus() -> list[str]:
 
 
 LOOKUP_KEYS = "abcdefgh"
+LOOKUP_HELD_OUT_KEYS = "iklno"
 # The tiny tokenizer's chat template for the lookup task: `find K :`, an assistant turn ends with its <eos>, a
 # tool's answer reads ` = D` and the next turn follows it directly.
 LOOKUP_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ m['content'] }}<eos>"
@@ -84,7 +88,7 @@ TOY_TASKS = {
     "copy_pair": (copy_pair_rows, copy_pair_corpus),
 }
 # Toy tasks with a held-out split: its name -> what `split` values they take.
-TOY_SPLITS = {"copy_pair": ("train", "test")}
+TOY_SPLITS = {"copy_pair": ("train", "test"), "lookup": ("train", "test")}
 TOY_CHAT_TEMPLATES = {"lookup": LOOKUP_CHAT_TEMPLATE}
 
 

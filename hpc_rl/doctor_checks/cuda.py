@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from ..doctor import FAIL, OK, WARN, Ctx, Result, check, run_cmd
-from .probes import find_on_ld_path, lib_version
+from .base import FAIL, OK, WARN, Ctx, Result, check
+from .probes import find_on_ld_path, lib_version, run_cmd
 
 CPU_OK = "no GPU: CPU stack"
 ACTIVATE_FIX = "source envs/activate.sh (it puts the env's libraries first), or drop that folder from LD_LIBRARY_PATH"

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..doctor import FAIL, OK, REPO, WARN, Ctx, Result, check
+from .base import FAIL, OK, REPO, WARN, Ctx, Result, check
 from .stacks import load_stack
 
 # (module, distribution names, status when missing, why it is needed)

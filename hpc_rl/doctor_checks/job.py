@@ -6,8 +6,8 @@ import ipaddress
 import json
 from pathlib import Path
 
-from ..doctor import FAIL, OK, WARN, Ctx, Result, check
 from ..errors import first_line
+from .base import FAIL, OK, WARN, Ctx, Result, check
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 

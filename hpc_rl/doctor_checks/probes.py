@@ -4,11 +4,27 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import logging
 import os
 import re
+import shutil
+import subprocess
 from pathlib import Path
 
-from ..doctor import run_cmd
+log = logging.getLogger("hpc_rl")
+
+
+def run_cmd(argv: list[str], timeout: float = 10.0) -> subprocess.CompletedProcess | None:
+    """Run a probe command with a timeout; None when it is missing or timed out (never hangs)."""
+    if shutil.which(argv[0]) is None:
+        return None
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except (subprocess.TimeoutExpired, OSError):
+        log.debug("doctor: %s did not answer within %.0f s", argv[0], timeout)
+        return None
+
+
 
 
 def read_torch_version_file() -> dict | None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import getpass
 import importlib.util
 
-from ..doctor import FAIL, OK, WARN, Ctx, Result, check, run_cmd
+from .base import FAIL, OK, WARN, Ctx, Result, check
 from .env import dist_version
+from .probes import run_cmd
 
 
 @check("slurm:commands")

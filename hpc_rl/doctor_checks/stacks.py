@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from ..doctor import REPO
+REPO = Path(__file__).resolve().parents[2]
 
 STACKS_DIR = REPO / "envs" / "stacks"
 

@@ -7,7 +7,7 @@ import ipaddress
 import socket
 import threading
 
-from ..doctor import FAIL, OK, WARN, Ctx, Result, check
+from .base import FAIL, OK, WARN, Ctx, Result, check
 
 MiB = 1 << 20
 SHM_FAIL_BELOW = 256 * MiB  # Docker's default 64 MiB breaks NCCL and vLLM workers

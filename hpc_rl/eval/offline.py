@@ -18,10 +18,19 @@ import time
 from pathlib import Path
 
 from .. import config, rundir
+from ..checkpoints import find_latest, list_checkpoints, step_dir, verify
 from ..config import JobConfig
+from ..data.datasets import load_rows
 from ..errors import CheckpointError, ConfigError
+from ..launch import start_rollout_server, stop_processes
+from ..logs import setup_logging
+from ..models.loading import load_tokenizer
+from ..orchestrator.evaluation import EvalLog, Evaluator, eval_data_config
+from ..orchestrator.sampling import Sampler
+from ..rewards.base import load_reward_fn
+from ..rollout.client.rollout_client import RolloutClient
 from ..rundir import RunDir, write_json_atomic, write_new_token
-from .evaluator import EvalLog, Evaluator, eval_data_config
+from ..train.export import best_step, export_hf
 
 log = logging.getLogger("hpc_rl")
 
@@ -38,27 +47,20 @@ def _eval_overrides(overrides: list[str]) -> list[str]:
 
 def _check_inputs(cfg: JobConfig) -> None:
     """The held-out prompts and the scoring function load, before any server starts or anything is written."""
-    from ..data.datasets import load_rows
-    from ..rewards.base import load_reward_fn
-
     load_rows(eval_data_config(cfg), cfg.seed, "eval")
     if cfg.eval.reward:
         load_reward_fn(cfg.eval.reward, "eval.reward")
-    else:
+    elif cfg.reward.function:
         load_reward_fn(cfg.reward.function)
 
 
 def checkpoint_steps(run: RunDir, step: int | None, every: bool, best: bool) -> list[int]:
     """The checkpoint steps asked for (default: the newest complete one); CheckpointError naming what exists."""
-    from ..train.checkpoint import find_latest, list_checkpoints, verify
-
     have = [int(p.name[5:]) for p in list_checkpoints(run) if verify(p)]
     if not have:
         raise CheckpointError(f"{run.root}: no complete checkpoint to evaluate; set checkpoint.every > 0 and train "
                               "(or evaluate an HF folder: hpc-rl eval MODEL_DIR --job JOB.yaml)")
     if best:
-        from ..train.export import best_step
-
         return [best_step(run)]
     if every:
         return have
@@ -74,16 +76,12 @@ def checkpoint_steps(run: RunDir, step: int | None, every: bool, best: bool) -> 
 def model_folder(run: RunDir, cfg: JobConfig, step: int, scratch: Path) -> str:
     """The HF folder of checkpoint `step` a rollout server can load: its hf/ folder, or for a LoRA run its adapters
     merged into the base model (written under `scratch`)."""
-    from ..train.checkpoint import step_dir
-
     hf = step_dir(run, step) / "hf"
     if not (hf / "config.json").is_file() and not (hf / "adapter_config.json").is_file():
         raise CheckpointError(f"{step_dir(run, step)}: no hf/ folder (checkpoint.save_hf was false); evaluate a "
                               "checkpoint written with it, or export one and use hpc-rl eval MODEL_DIR --job JOB")
     if cfg.model.lora is None:
         return str(hf)
-    from ..train.export import export_hf
-
     out = scratch / f"merged-step_{step}"
     shutil.rmtree(out, ignore_errors=True)  # left by an evaluation that was killed
     export_hf(str(run.root), str(out), step=step, form="merged")
@@ -93,10 +91,6 @@ def model_folder(run: RunDir, cfg: JobConfig, step: int, scratch: Path) -> str:
 def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, source: str = "offline") -> dict:
     """Start one rollout server on `model_path` (its own scratch run dir under RUN/eval/), evaluate it as `step`,
     stop it; the row appended to RUN/eval.jsonl."""
-    from ..launch import start_rollout_server, stop_processes
-    from ..models.loading import load_tokenizer
-    from ..rollout.client.rollout_client import RolloutClient
-    from ..train.batch_maker import stop_token_ids
 
     scratch = RunDir(run.root / "eval" / f"server-step_{step}-{os.getpid()}")
     shutil.rmtree(scratch.root, ignore_errors=True)
@@ -114,7 +108,7 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
         client = RolloutClient.from_run_dir(scratch, served)
         client.wait_ready(1, served.rollout.startup_timeout_s)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        evaluator = Evaluator(served, tokenizer, client, run, stop_token_ids(tokenizer, cfg.rollout.stop),
+        evaluator = Evaluator(served, Sampler(served, tokenizer, client, hide=[run.root, run.root.parent]), run,
                               source=source)
         evaluator.log = EvalLog(run)
         row = evaluator.evaluate(step, step, served_version=0)
@@ -157,8 +151,6 @@ def resolve_run(target: str, step: int | None, every: bool, best: bool, override
 def eval_cli(target: str, step: int | None = None, every: bool = False, best: bool = False, job: str | None = None,
              overrides: list[str] | None = None, runs_dir: str = "runs") -> int:
     """`hpc-rl eval RUN|MODEL_DIR ...` on this machine: evaluate and print one line per evaluated step."""
-    from ..logs import setup_logging
-
     setup_logging(0)
     overrides = list(overrides or [])
     path = Path(target)

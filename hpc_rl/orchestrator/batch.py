@@ -72,24 +72,26 @@ class RolloutBatch:
 
     @staticmethod
     def concat(batches: list[RolloutBatch], stats: dict | None = None) -> RolloutBatch:
-        """The samples of `batches` one after the other (group ids renumbered so that groups stay apart); the
-        first batch's step and, unless given, its stats."""
+        """The samples of `batches` one after the other, their groups numbered 0, 1, ... in order of appearance (so
+        that groups of different batches stay apart); the first batch's step and, unless given, its stats."""
         first = batches[0]
         out = {name: [] for name in PER_SAMPLE}
         parts = {k: [] for k in first.reward_parts}
         rm_ids = [] if first.reward_model_ids is not None else None
-        offset = 0
         for b in batches:
             if set(b.reward_parts) != set(parts) or (b.reward_model_ids is None) != (rm_ids is None):
                 raise ValueError("RolloutBatch.concat: the batches hold different reward parts")
+            renumber: dict[int, int] = {}
             for name in PER_SAMPLE:
                 vals = getattr(b, name)
-                out[name] += [g + offset for g in vals] if name == "group_ids" else vals
+                if name == "group_ids":
+                    base = len(set(out["group_ids"]))
+                    vals = [renumber.setdefault(g, base + len(renumber)) for g in vals]
+                out[name] += vals
             for k in parts:
                 parts[k] += b.reward_parts[k]
             if rm_ids is not None:
                 rm_ids += b.reward_model_ids
-            offset = max(out["group_ids"], default=-1) + 1
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
                             stats=dict(first.stats if stats is None else stats))
 

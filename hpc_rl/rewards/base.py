@@ -54,9 +54,9 @@ def as_reward(value, spec: str, index: int, key: str = "reward.function") -> flo
 
 
 def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], completions: list[str],
-                    rows: list[dict], spec: str | None = None) -> np.ndarray:
-    """Call the reward function (`spec` names it in errors; default reward.function) on every sample; one
-    finite float each, else RewardError naming the sample."""
+                    rows: list[dict], key: str = "reward.function", spec: str | None = None) -> np.ndarray:
+    """Call the reward function (errors name it as `key` `spec`; spec defaults to cfg.function) on every sample;
+    one finite float each, else RewardError naming the sample. cfg: its kwargs and batched."""
     spec = spec or cfg.function
     n = len(completions)
     if cfg.batched:
@@ -72,13 +72,13 @@ def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], complet
         try:
             out = fn(prompts, completions, **fields, **cfg.kwargs)
         except Exception as e:
-            raise RewardError(f"reward.function {spec} raised {type(e).__name__}: {e}") from None
+            raise RewardError(f"{key} {spec} raised {type(e).__name__}: {e}") from None
         arr = np.asarray(out, dtype=object) if not hasattr(out, "shape") else out
         shape = tuple(getattr(arr, "shape", (len(out),)))
         if shape != (n,):
-            raise RewardError(f"reward.function {spec}: returned shape {shape} for {n} samples; return one float "
-                              f"per sample, shape ({n},)")
-        values = [as_reward(v, spec, i) for i, v in enumerate(list(out))]
+            raise RewardError(f"{key} {spec}: returned shape {shape} for {n} samples; return one float per sample, "
+                              f"shape ({n},)")
+        values = [as_reward(v, spec, i, key) for i, v in enumerate(list(out))]
     else:
         values = []
         for i, (p, c, r) in enumerate(zip(prompts, completions, rows)):
@@ -86,8 +86,8 @@ def compute_rewards(fn: Callable, cfg: RewardConfig, prompts: list[str], complet
             try:
                 v = fn(p, c, **extra, **cfg.kwargs)
             except Exception as e:
-                raise RewardError(f"reward.function {spec} raised {type(e).__name__} on sample {i}: {e}") from None
-            values.append(as_reward(v, spec, i))
+                raise RewardError(f"{key} {spec} raised {type(e).__name__} on sample {i}: {e}") from None
+            values.append(as_reward(v, spec, i, key))
     return np.asarray(values, dtype=np.float64)
 
 

@@ -7,11 +7,11 @@ import json
 import shutil
 from pathlib import Path
 
+from ..checkpoints import best_checkpoint, best_record, find_latest, list_checkpoints, step_dir, verify
 from ..errors import CheckpointError
 from ..models.lora import PEFT_PREFIX, group_adapters, merged, scaling, unpaired
 from ..models.tiny import atomic_folder
 from ..rundir import find
-from .checkpoint import best_checkpoint, best_record, find_latest, list_checkpoints, step_dir, verify
 
 # What a merged folder takes from the base folder besides its weights (tokenizer files come from the checkpoint).
 _BASE_FILES = ("config.json", "generation_config.json", "model.safetensors.index.json")

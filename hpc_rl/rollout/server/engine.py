@@ -1,4 +1,4 @@
-"""The Engine interface every rollout engine implements (HF fallback, vLLM), and engine selection.
+"""The Engine interface every rollout engine implements (HF fallback, vLLM; engines.py picks one).
 
 Tensor names are the HF `state_dict()` names of the causal LM (e.g. `model.layers.0.self_attn.q_proj.weight`).
 `load_weights` receives tensors already validated by `hpc_rl.rollout.wire.weights.validate_named_tensors`
@@ -15,13 +15,10 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from ...errors import first_line
 from ..wire.sampling import SampleOut, SamplingParams
 
 if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for the client
     import torch
-
-    from ...config import JobConfig
 
 log = logging.getLogger("hpc_rl")
 
@@ -111,50 +108,3 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 (an optional hook, like reset_cache)
         """Release the engine's resources."""
-
-
-def make_engine(cfg: JobConfig, device: str = "cpu") -> Engine:
-    """The engine cfg.rollout.engine names: "hf", "vllm", or "auto" (vLLM when it imports and starts, else HF);
-    under model.lora it takes the actor's adapters as weight updates (engine_lora)."""
-    engine = _make_engine(cfg, device)
-    if cfg.model.lora is None:
-        return engine
-    from .engine_lora import LoraMergingEngine
-
-    log.info("rollout engine: weight updates are LoRA adapters (rank %d), merged into the served weights",
-             cfg.model.lora.rank)
-    return LoraMergingEngine(engine, str(cfg.model.path), cfg.model.lora)
-
-
-def _make_engine(cfg: JobConfig, device: str) -> Engine:
-    choice = cfg.rollout.engine
-    if choice == "hf":
-        from .engine_hf import HFEngine
-
-        log.info("rollout engine: hf (rollout.engine=hf)")
-        return HFEngine(cfg, device)
-    if choice == "vllm":
-        from .engine_vllm import VLLMEngine
-
-        log.info("rollout engine: vllm (rollout.engine=vllm)")
-        return VLLMEngine(cfg, device)
-    # auto: prefer vLLM, fall back to HF with the reason logged.
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # ImportError, or a broken install raising anything at import
-        log.info("rollout engine: hf (rollout.engine=auto; vllm does not import: %s)", first_line(e))
-        from .engine_hf import HFEngine
-
-        return HFEngine(cfg, device)
-    try:
-        from .engine_vllm import VLLMEngine
-
-        eng = VLLMEngine(cfg, device)
-        log.info("rollout engine: vllm (rollout.engine=auto)")
-        return eng
-    except Exception as e:
-        msg = first_line(e)
-        log.warning("rollout engine: hf (rollout.engine=auto; the vLLM engine could not start: %s)", msg)
-        from .engine_hf import HFEngine
-
-        return HFEngine(cfg, device)

@@ -37,7 +37,8 @@ from ..wire.protocol import DRAIN_S, BadRequest, Busy, Draining, PolicyNotFinite
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
 from .collective_receiver import register_server_routes
-from .engine import Cancelled, Engine, make_engine
+from .engine import Cancelled, Engine
+from .engines import make_engine
 
 log = logging.getLogger("hpc_rl")
 

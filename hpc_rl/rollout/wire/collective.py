@@ -5,7 +5,7 @@ the sender, so it lives beside the trainer's own torch.distributed world (init_p
 cannot span separate jobs). Rank 0 is the sender; each server's workers take ranks
 `base_rank + tp_rank`. Per update, the sender POSTs the bucket plan to every server (which starts its
 receive and answers at once), broadcasts a header then one flat buffer per bucket, and polls until
-every server has loaded the version. The two ends: client/collective_sender.py (trainer), server/collective_receiver.py
+every server has loaded the version. The two ends: client/transports/collective.py (trainer), server/collective_receiver.py
 (the rollout server's /collective/* routes).
 """
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 GREEDY_BELOW = 1e-5
 
 

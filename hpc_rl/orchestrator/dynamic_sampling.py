@@ -12,56 +12,31 @@ from ..algos.shaping import groups_with_spread
 from ..data.sampler import indices_for_step
 from ..errors import TrainingError
 from ..metrics import samples_sha1, server_token_stats
-from ..orchestrator import seeds
 from ..rewards.base import combine_rewards
+from . import seeds
+from .batch import RolloutBatch
 
 log = logging.getLogger("hpc_rl")
-
-# Keys of a batch that hold one entry per sample.
-PER_SAMPLE = ("prompts", "responses", "rollout_logprobs", "versions", "truncated", "response_masks",
-              "reward_model_ids")
-
 
 def round_prompts(n_rows: int, count: int, seed: int, step: int, round_: int, shuffle: bool) -> list[int]:
     """The prompts of extra round `round_` (>= 1) of `step`: a stream of their own, deterministic in its arguments."""
     return indices_for_step(n_rows, count, seeds.round_data_seed(seed, round_), step, shuffle)
 
 
-def _take(batch: dict, groups: list[int], g: int) -> dict:
-    """The per-sample entries of `batch` for the groups `groups` (group j: samples j*g .. j*g+g-1)."""
-    rows = [j * g + k for j in groups for k in range(g)]
-    out = {key: [batch[key][i] for i in rows] for key in PER_SAMPLE if key in batch}
-    out["reward_parts"] = {name: [vals[i] for i in rows] for name, vals in batch["reward_parts"].items()}
-    return out
-
-
-def _concat(pieces: list[dict]) -> dict:
-    out: dict = {}
-    for p in pieces:
-        for key, vals in p.items():
-            if key == "reward_parts":
-                parts = out.setdefault("reward_parts", {})
-                for name, v in vals.items():
-                    parts.setdefault(name, []).extend(v)
-            else:
-                out.setdefault(key, []).extend(vals)
-    return out
-
-
-def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
-    """The batch of `step` with algorithm.dynamic_sampling; maker: the BatchMaker (its _generate makes one round)."""
+def dynamic_batch(maker, step: int, idx: list[int]) -> RolloutBatch:
+    """The batch of `step` with algorithm.dynamic_sampling; maker: the BatchMaker (its generate makes one round)."""
     cfg = maker.cfg
     a, ds_cfg = cfg.algorithm, cfg.algorithm.dynamic_sampling
     g, want = a.group_size, cfg.trainer.prompts_per_step
     rounds, kept, dropped = [], [], []  # kept/dropped: (round, group) in generation order
     prompts, consumed, task_sum = idx, 0, 0.0
     for r in range(ds_cfg.max_gen_batches):
-        batch = maker._generate(step, prompts, r)
+        batch = maker.generate(step, prompts, r)
         rounds.append((prompts, batch))
         consumed += len(prompts)
         # The task's reward decides, not the overlong penalty (verl's filter_groups metric "acc"): a group whose
         # answers are all right or all wrong teaches nothing whatever their lengths.
-        task = {name: v for name, v in batch["reward_parts"].items() if name != "overlong"}
+        task = {name: v for name, v in batch.reward_parts.items() if name != "overlong"}
         rewards, _ = combine_rewards(task, cfg.reward)
         task_sum += float(rewards.sum())
         for j, spread in enumerate(groups_with_spread(rewards, g)):
@@ -87,30 +62,29 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
     for r, (prompts_r, batch) in enumerate(rounds):
         groups = [j for rr, j in chosen if rr == r]
         if groups:
-            pieces.append(_take(batch, groups, g))
+            pieces.append(batch.select([j * g + k for j in groups for k in range(g)]))
             order += [prompts_r[j] for j in groups]
-    out = _concat(pieces)
-    first = rounds[0][1]
-    stats = dict(first["stats"])
+    out = RolloutBatch.concat(pieces)
+    stats = dict(rounds[0][1].stats)
     ds = maker.dataset
-    tokens = sum(b["stats"]["gen_tokens_per_s"] * b["stats"]["gen_seconds"] for _, b in rounds)
-    gen_s = sum(b["stats"]["gen_seconds"] for _, b in rounds)
+    tokens = sum(b.stats["gen_tokens_per_s"] * b.stats["gen_seconds"] for _, b in rounds)
+    gen_s = sum(b.stats["gen_seconds"] for _, b in rounds)
     for key in [k for k in stats if k.startswith(("server_tokens/", "server_share/"))]:
         del stats[key]
     served: dict = {}  # server index -> tokens, over all rounds
     for _, b in rounds:
-        for k, v in b["stats"].items():
+        for k, v in b.stats.items():
             if k.startswith("server_tokens/"):
                 index = int(k.split("/", 1)[1])
                 served[index] = served.get(index, 0.0) + v
     stats.update(server_token_stats(served))
     stats.update({
-        "response_len": sum(map(len, out["responses"])) / len(out["responses"]),
-        "truncated_frac": sum(out["truncated"]) / len(out["truncated"]),
-        "gen_seconds": gen_s, "reward_seconds": sum(b["stats"]["reward_seconds"] for _, b in rounds),
+        "response_len": sum(map(len, out.responses)) / len(out),
+        "truncated_frac": sum(out.truncated) / len(out),
+        "gen_seconds": gen_s, "reward_seconds": sum(b.stats["reward_seconds"] for _, b in rounds),
         "gen_tokens_per_s": tokens / gen_s if gen_s > 0 else 0.0,
         "prompt_ids": [int(ds.rows[i]["id"]) for i in order],
-        "samples_sha1": samples_sha1(out["responses"]),
+        "samples_sha1": samples_sha1(out.responses),
         "groups_kept_frac": n_kept / (len(kept) + len(dropped)), "gen_batches": float(len(rounds)),
         # Share of the trained groups that have a reward spread (1 unless the rounds ran out).
         "groups_with_spread_frac": min(n_kept, want) / want,
@@ -119,4 +93,5 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> dict:
         # batch's reward_mean is of groups chosen for their spread, so it stays near the middle as the policy learns.
         "generated_reward_mean": task_sum / (consumed * g),
     })
-    return {"step": step, **out, "stats": stats}
+    out.stats = stats
+    return out

@@ -1,9 +1,12 @@
-"""Rank 0's held-out evaluation: one policy version generates on the eval prompts through the rollout client (the
-servers that generate training samples, with seeds of their own), the samples are scored, and the results go to
-RUN/eval/step_N.jsonl (one row per sample) and one row of RUN/eval.jsonl (the metrics of pass_at_k.py).
+"""Rank 0's held-out evaluation: one policy version generates on the eval prompts through the one sample-and-score
+path (sampling.py: the servers that generate training samples, with seeds of their own; single-turn prompts or the
+episodes of rollout.env), the samples are scored, and the results go to RUN/eval/step_N.jsonl (one row per sample)
+and one row of RUN/eval.jsonl (the metrics of eval/pass_at_k.py).
 
-It never runs inside the trainer's step: the rollout pipeline calls it between weight pushes (train/rollout_pipeline.py),
-so the version it evaluates is the one the servers hold, and in async mode the trainer does not wait for it.
+It never runs inside the trainer's step: the rollout pipeline calls it between weight pushes (pipeline.py), so the
+version it evaluates is the one the servers hold, and in async mode the trainer does not wait for it.
+
+A sample's score is eval.reward's (else reward.function's) plus, for multi-turn jobs, its environment's reward.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import numpy as np
 from ..config import DataConfig, JobConfig
 from ..data.datasets import PromptDataset
 from ..errors import RolloutError
+from ..eval.pass_at_k import eval_metrics
 from ..metrics import read_metrics, truncate_after
-from ..orchestrator import seeds
-from ..rewards.base import compute_rewards, load_reward_fn
+from ..rewards.base import load_reward_fn
 from ..rollout.wire.sampling import SamplingParams
 from ..rundir import RunDir, write_text_atomic
-from .pass_at_k import eval_metrics
+from . import seeds
+from .sampling import Sampler, Scoring
 
 log = logging.getLogger("hpc_rl")
 
@@ -42,9 +46,17 @@ def eval_subset(n: int, max_prompts: int | None, seed: int) -> list[int]:
     return sorted(int(i) for i in np.random.default_rng([seed, 7]).choice(n, max_prompts, replace=False))
 
 
+def _task(ds: PromptDataset, i: int) -> tuple:
+    """What makes row i one task: its prompt after the chat template and its other fields (ids aside): a prompt asked
+    again with another answer (the toy lookup task's hidden digits) is another task."""
+    row = ds.rows[i]
+    return ds.texts[i], tuple(sorted((k, repr(v)) for k, v in row.items() if k not in ("id", "prompt")))
+
+
 def check_held_out(cfg: JobConfig, train: PromptDataset, held_out: PromptDataset) -> int:
-    """Warn when eval prompts are also training prompts (exact duplicates after the chat template); their count."""
-    shared = set(train.texts) & {held_out.texts[i] for i in eval_subset(len(held_out), cfg.eval.max_prompts, cfg.seed)}
+    """Warn when eval rows are also training rows (the same task: see _task); their count."""
+    tasks = {_task(held_out, i) for i in eval_subset(len(held_out), cfg.eval.max_prompts, cfg.seed)}
+    shared = {text for text, _ in tasks & {_task(train, i) for i in range(len(train))}}
     if shared:
         log.warning("eval.source %s shares %d prompt(s) with data.source %s, e.g. %r: those are not held out; "
                     "evaluate on prompts the run does not train on", cfg.eval.source, len(shared), cfg.data.source,
@@ -73,18 +85,18 @@ class EvalLog:
 class Evaluator:
     """Evaluates the version the rollout servers hold on the held-out prompts of `cfg.eval`."""
 
-    def __init__(self, cfg: JobConfig, tokenizer, client, run: RunDir, stop_ids: list[int], source: str = "train"):
-        self.cfg, self.tokenizer, self.client, self.run = cfg, tokenizer, client, run
-        self.stop_ids, self.source = list(stop_ids), source
+    def __init__(self, cfg: JobConfig, sampler: Sampler, run: RunDir, source: str = "train"):
+        self.cfg, self.sampler, self.run, self.source = cfg, sampler, run, source
         e = cfg.eval
-        self.dataset = PromptDataset(eval_data_config(cfg), tokenizer, cfg.seed, section="eval")
+        self.dataset = PromptDataset(eval_data_config(cfg), sampler.tokenizer, cfg.seed, section="eval")
         self.indices = eval_subset(len(self.dataset), e.max_prompts, cfg.seed)
         if e.reward:
-            self.reward_cfg = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))
-            self.reward_fn = load_reward_fn(e.reward, "eval.reward")
-        else:
-            self.reward_cfg = cfg.reward
-            self.reward_fn = load_reward_fn(cfg.reward.function)
+            rw = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))
+            self.scoring = Scoring(load_reward_fn(e.reward, "eval.reward"), rw, "eval.reward")
+        elif cfg.reward.function:
+            self.scoring = Scoring(load_reward_fn(cfg.reward.function), cfg.reward)
+        else:  # a multi-turn job rewarded by its environment alone
+            self.scoring = Scoring()
         self.log = None  # the EvalLog rows are appended to (set by the owner: the trainer, or `hpc-rl eval`)
 
     @property
@@ -97,33 +109,23 @@ class Evaluator:
         served_version = version if served_version is None else served_version
         e, t0 = self.cfg.eval, time.time()
         k = e.samples_per_prompt
-        params = SamplingParams(n=k, max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
-                                temperature=e.temperature, top_p=e.top_p, top_k=-1, stop_token_ids=self.stop_ids,
-                                seeds=seeds.evaluation(self.cfg.seed, step).prompts(len(self.indices)))
-        ds = self.dataset
-        res = self.client.generate([ds.token_ids[i] for i in self.indices], params, step=step)
-        if set(res.policy_versions) != {served_version}:
+        params = SamplingParams(max_new_tokens=e.max_new_tokens or self.cfg.rollout.max_new_tokens,
+                                temperature=e.temperature, top_p=e.top_p, top_k=-1, stop_token_ids=self.sampler.stop_ids)
+        sampled = self.sampler.sample(self.dataset, self.indices, k, params, seeds.evaluation(self.cfg.seed, step),
+                                      step, self.scoring)
+        b = sampled.batch
+        if set(b.versions) != {served_version}:
             raise RolloutError(f"evaluation of step {step}: the servers answered with policy version(s) "
-                               f"{sorted(set(res.policy_versions))}, not {served_version}; a server missed a weight "
-                               "update")
-        prompts, completions, rows, lengths, truncated = [], [], [], [], []
-        for i, samples in zip(self.indices, res.outputs):
-            for s in samples:
-                prompts.append(ds.texts[i])
-                completions.append(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
-                rows.append(ds.rows[i])
-                lengths.append(len(s.token_ids))
-                truncated.append(s.finish_reason == "length")
-        spec = e.reward or self.cfg.reward.function
-        scores = compute_rewards(self.reward_fn, self.reward_cfg, prompts, completions, rows,
-                                 spec=f"{'eval.reward' if e.reward else 'reward.function'} {spec}").tolist()
+                               f"{sorted(set(b.versions))}, not {served_version}; a server missed a weight update")
+        scores = np.sum([np.asarray(v, dtype=np.float64) for name, v in sorted(b.reward_parts.items())], axis=0)
+        scores = scores.tolist()
         per_prompt = [scores[j:j + k] for j in range(0, len(scores), k)]
         metrics = eval_metrics(per_prompt, e.pass_threshold)
-        metrics.update({"eval/response_tokens_mean": float(np.mean(lengths)),
-                        "eval/truncated_frac": float(np.mean(truncated)),
+        metrics.update({"eval/response_tokens_mean": float(np.mean([sum(m) for m in b.loss_masks])),
+                        "eval/truncated_frac": float(np.mean(b.truncated)),
                         "eval/seconds": time.time() - t0, "eval/prompts": float(len(self.indices))})
         samples = [{"prompt_id": r.get("id"), "prompt": p, "completion": c, "score": s, "truncated": tr}
-                   for p, c, r, s, tr in zip(prompts, completions, rows, scores, truncated)]
+                   for p, c, r, s, tr in zip(sampled.prompt_texts, sampled.texts, sampled.rows, scores, b.truncated)]
         path = self.run.eval_samples(step, self.source)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in samples))
@@ -133,6 +135,6 @@ class Evaluator:
             self.log.append(row)
         # The step line shows it (one line per step); `hpc-rl eval` prints its own line.
         log.debug("eval of step %d (policy version %d, %d prompts x %d): pass@1 %.3f | reward %.3f | %.1fs",
-                 step, version, len(self.indices), k, metrics["eval/pass@1"], metrics["eval/reward_mean"],
-                 metrics["eval/seconds"])
+                  step, version, len(self.indices), k, metrics["eval/pass@1"], metrics["eval/reward_mean"],
+                  metrics["eval/seconds"])
         return row

@@ -1,4 +1,4 @@
-"""The multi-turn rollout loop, on the controller (trainer rank 0): many trajectories in flight, turns batched.
+"""The multi-turn rollout loop, on the orchestrator (trainer rank 0): many trajectories in flight, turns batched.
 
 Every trajectory alternates an assistant turn (sampled by the rollout servers) and an environment step (run in a
 worker thread: tools, sandboxed code). Whenever trajectories are ready to generate, they go to the servers together
@@ -21,12 +21,12 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
-from ...errors import DataError, RewardError, first_line
-from ...metrics import idle_seconds
-from ...rewards.base import as_reward
-from ..wire.sampling import SamplingParams
-from .chat import ChatFormat
-from .tools import ToolContext, is_error
+from ..errors import DataError, RewardError, first_line
+from ..metrics import idle_seconds
+from ..rewards.base import as_reward
+from ..rollout.environments.chat import ChatFormat
+from ..rollout.environments.tools import ToolContext, is_error
+from ..rollout.wire.sampling import SamplingParams
 
 log = logging.getLogger("hpc_rl")
 
@@ -117,7 +117,7 @@ class MultiTurnRollout:
         try:
             while ready or gens or tools:
                 while ready and len(gens) < MAX_WAVES:
-                    for group in self._groups(trajs, ready):
+                    for group in self._groups(trajs, ready, params.max_new_tokens):
                         turn_seeds = None if turn_seed is None else [turn_seed(i, trajs[i].turns) for i in group[1]]
                         p = SamplingParams(n=1, max_new_tokens=group[0], temperature=params.temperature,
                                            top_p=params.top_p, top_k=params.top_k,
@@ -151,13 +151,14 @@ class MultiTurnRollout:
 
     # ------------------------------------------------------------------ generation
 
-    def _groups(self, trajs: list[Trajectory], ready: list[int]) -> list[tuple[int, list[int]]]:
-        """Ready trajectories grouped by how many tokens each may still generate (one request per group)."""
+    def _groups(self, trajs: list[Trajectory], ready: list[int], per_turn: int) -> list[tuple[int, list[int]]]:
+        """Ready trajectories grouped by how many tokens each may still generate (one request per group); a turn
+        generates at most `per_turn` (the request's max_new_tokens: rollout's, or an evaluation's)."""
         lim = self.limits
         groups: dict[int, list[int]] = {}
         for i in ready:
             t = trajs[i]
-            room = min(lim.max_new_tokens, lim.max_total_tokens - len(t.response_ids),
+            room = min(per_turn, lim.max_total_tokens - len(t.response_ids),
                        lim.max_model_len - len(t.prompt_ids) - len(t.response_ids))
             groups.setdefault(room, []).append(i)
         return sorted(groups.items())

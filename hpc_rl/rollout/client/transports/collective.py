@@ -1,5 +1,6 @@
-"""Collective weight sync, the trainer's side: rank 0 forms the group with every server's workers and
-broadcasts each new version in buckets (see wire/collective.py)."""
+"""Weight sync over a collective (NCCL on GPU, gloo on CPU), the trainer's side: rank 0 forms one group with every
+server's workers and broadcasts each new version in buckets (the wire: wire/collective.py). The group lives across
+pushes; a change in the set of servers forms a new one."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import Iterable
 import requests
 import torch
 
-from ...netutil import advertise_host, auth_session, error_of
-from ..wire.collective import (
+from ....netutil import advertise_host, auth_session, error_of
+from ...wire.collective import (
     BUCKET_BYTES,
     CollectiveError,
     broadcast_buckets,
@@ -169,3 +170,28 @@ class CollectiveSender:
         if self._session is not None:
             self._session.close()
             self._session = None
+
+
+class CollectiveTransport:
+    name = "collective"
+
+    def __init__(self, token: str, device: str, timeout_s: float):
+        self.token, self.device, self.timeout_s = token, device, timeout_s
+        self.sender: CollectiveSender | None = None  # one group for the whole run, reused across pushes
+
+    def push(self, named_tensors, version: int, servers: list) -> int:
+        named = list(named_tensors)
+        urls = [s.url for s in servers]
+        if self.sender is not None and self.sender.servers != urls:
+            self.close()  # the set of servers changed: form a new group
+        if self.sender is None:
+            sender = CollectiveSender(urls, self.token, device=self.device, timeout_s=self.timeout_s)
+            sender.connect(specs={n: (tuple(t.shape), t.dtype) for n, t in named})
+            self.sender = sender
+        self.sender.broadcast(named, version)
+        return self.sender.last_bytes
+
+    def close(self) -> None:
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            sender.close()

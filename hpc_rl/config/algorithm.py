@@ -1,0 +1,157 @@
+"""The algorithm section: the advantage estimator and the losses, each a registry entry of hpc_rl/algos."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from ..algos.registry import ALGORITHMS, POLICY_LOSSES, algorithm
+
+if TYPE_CHECKING:
+    from .job import JobConfig
+
+
+@dataclass
+class KLConfig:
+    """The KL(policy || reference) penalty; a reference model is built only when coef > 0 or adaptive."""
+
+    # KL coefficient beta (the initial one when adaptive).
+    coef: float = 0.0
+    # Per-token estimator (Schulman's k1/k2/k3, http://joschu.net/blog/kl-approx.html).
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Put the KL into the per-token rewards (true) or add it to the loss (false); null: the algorithm's
+    # default (PPO and REINFORCE++: rewards; GRPO and RLOO: loss, the only place they allow).
+    in_reward: bool | None = None
+    # Steer coef toward `target` KL (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593).
+    adaptive: bool = False
+    # KL the adaptive controller aims for.
+    target: float = 0.1
+    # Samples over which the adaptive controller moves coef by at most 20%.
+    horizon: int = 10000
+
+
+@dataclass
+class DynamicSamplingConfig:
+    """DAPO's dynamic sampling (https://arxiv.org/abs/2503.14476, verl's algorithm.filter_groups): groups whose
+    rewards (the task's, without reward.overlong's penalty) are all equal teach nothing and are dropped; more
+    prompts are generated until the step has trainer.prompts_per_step groups with a reward spread."""
+
+    # Drop groups without a reward spread and generate more.
+    enabled: bool = False
+    # Generation rounds per step at most (the first included); each round asks for as many prompts as are missing.
+    max_gen_batches: int = 4
+    # When the rounds run out short of groups: warn (train on the groups there are, padded with dropped ones to
+    # keep the batch size) or error (stop with a checkpoint).
+    on_exhausted: Literal["warn", "error"] = "warn"
+
+
+AlgorithmName = Literal[tuple(ALGORITHMS)]  # noqa: PYI047 (the registry's names, checked at load)
+PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # noqa: PYI047 (the registry's names, checked at load)
+
+
+@dataclass
+class AlgorithmConfig:
+    """The RL algorithm (see hpc_rl/algos/registry.py) and its loss settings."""
+
+    # Advantage estimator and what it needs: ppo (GAE + critic), grpo, rloo, reinforce_pp.
+    name: AlgorithmName = "grpo"
+    # Samples generated per prompt (GRPO/RLOO compare them with each other).
+    group_size: int = 8
+    # Discount over response tokens (GAE, REINFORCE++).
+    gamma: float = 1.0
+    # GAE's lambda (PPO).
+    lam: float = 0.95
+    # PPO clip: the ratio is clipped to [1 - clip_ratio, 1 + clip_ratio].
+    clip_ratio: float = 0.2
+    # DAPO's decoupled upper clip (https://arxiv.org/abs/2503.14476): the ratio is clipped to
+    # [1 - clip_ratio, 1 + clip_ratio_high]; null: the same as clip_ratio.
+    clip_ratio_high: float | None = None
+    # Clip of the critic's value change per update (PPO); null: no clipping.
+    value_clip: float | None = 0.2
+    # Weight of the value loss (PPO).
+    value_coef: float = 0.5
+    # Weight of the entropy bonus (0: none).
+    entropy_coef: float = 0.0
+    # How token losses become one number: mean over all tokens, or per sequence then over sequences.
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    # GRPO: divide by the group's std (false: Dr. GRPO, https://arxiv.org/abs/2503.20783).
+    norm_adv_by_std: bool = True
+    # PPO: whiten the GAE advantages over the whole batch.
+    whiten_advantages: bool = True
+    # Passes over the step's samples (each pass: all mini-batches).
+    ppo_epochs: int = 1
+    # Off-policy correction between the rollout engine's log-probs and the trainer's (algos/correction.py):
+    # tis multiplies each token's policy loss by min(exp(trainer - engine), tis_cap); auto: tis when
+    # rollout.async_steps > 0 (samples from older policies), else none.
+    rollout_correction: Literal["auto", "none", "tis"] = "auto"
+    # The truncation cap C of the importance weight (tis).
+    tis_cap: float = 2.0
+    # The KL penalty to the reference model.
+    kl: KLConfig = field(default_factory=KLConfig)
+    # The policy loss (algos/losses.py POLICY_LOSSES): ppo, the clipped surrogate; cispo, MiniMax-M1's clipped
+    # importance-sampling weight (stop-gradient) x advantage x log-prob: every token keeps its gradient
+    # (https://arxiv.org/abs/2506.13585). Its weight is clipped to [1 - clip_ratio, 1 + clip_ratio_high]; MiniMax-M1
+    # sets no lower bound (clip_ratio: 1.0) and tunes the upper one only.
+    policy_loss: PolicyLossName = "ppo"
+    # The importance ratio: per token, or GSPO's length-normalized sequence ratio (https://arxiv.org/abs/2507.18071,
+    # its GSPO-token form: every token's ratio has the sequence's value and its own gradient). GSPO's clip ranges
+    # are about 1000x smaller than PPO's (the paper: clip_ratio 3e-4, clip_ratio_high 4e-4) and it averages per
+    # sequence (loss_agg: seq_mean). Needs sequence-level advantages (grpo, rloo).
+    ratio: Literal["token", "sequence"] = "token"
+    # Leave truncated samples (no stop before the length budget) out of the loss (DAPO's overlong filtering, TRL's
+    # mask_truncated_completions); they still count in their group's advantages.
+    mask_truncated: bool = False
+    # DAPO's dynamic sampling (groups with a reward spread only).
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+
+    @property
+    def uses_critic(self) -> bool:
+        return algorithm(self.name).needs_critic
+
+    def correction(self, async_steps: int) -> str:
+        """The rollout correction in effect ("none" or "tis"), resolving auto by the rollout mode."""
+        if self.rollout_correction != "auto":
+            return self.rollout_correction
+        return "tis" if async_steps > 0 else "none"
+
+    @property
+    def kl_in_reward(self) -> bool:
+        if self.kl.in_reward is not None:
+            return self.kl.in_reward
+        return algorithm(self.name).kl_in_reward
+
+
+def check(cfg: JobConfig, need) -> None:
+    a = cfg.algorithm
+    need(a.group_size >= 1, "algorithm.group_size must be >= 1")
+    if algorithm(a.name).group_baseline:
+        need(a.group_size >= 2, f"algorithm.group_size must be >= 2 for {a.name} "
+             f"(advantages compare samples of the same prompt); got {a.group_size}")
+        need(a.kl.in_reward is not True, f"algorithm.kl.in_reward: {a.name} computes advantages from whole-sequence "
+             "scores, so the KL penalty cannot go into per-token rewards; use algorithm.kl.in_reward: false (a loss term)")
+    if POLICY_LOSSES[a.policy_loss].clip_ratio_1_is_none:  # 1.0: no lower bound on the importance weight
+        need(0 < a.clip_ratio <= 1, f"algorithm.clip_ratio must be in (0, 1] with {a.policy_loss}; got {a.clip_ratio}")
+    else:
+        need(0 < a.clip_ratio < 1, f"algorithm.clip_ratio must be in (0, 1); got {a.clip_ratio}")
+    if a.ratio == "sequence":
+        need(algorithm(a.name).group_baseline,
+             f"algorithm.ratio: sequence (GSPO) weighs whole sequences, so it needs one advantage per sequence (grpo, "
+             f"rloo); {a.name} gives per-token advantages: use algorithm.ratio: token, or algorithm.name: grpo")
+    ds = a.dynamic_sampling
+    if ds.enabled:
+        need(ds.max_gen_batches >= 1, f"algorithm.dynamic_sampling.max_gen_batches must be >= 1 (generation rounds per "
+             f"step, the first included); got {ds.max_gen_batches}")
+        need(a.group_size >= 2, "algorithm.dynamic_sampling needs groups: algorithm.group_size >= 2 (a group of one "
+             f"never has a reward spread); got {a.group_size}")
+        need(cfg.reward.model is None or cfg.reward.model.placement == "server",
+             "algorithm.dynamic_sampling decides on rank 0 before the trainer ranks score: with a reward model use "
+             "reward.model.placement: server")
+    need(a.value_clip is None or a.value_clip > 0, f"algorithm.value_clip must be > 0 or null (no clipping); got {a.value_clip}")
+    need(a.clip_ratio_high is None or 0 < a.clip_ratio_high < 10,
+         f"algorithm.clip_ratio_high must be in (0, 10) (DAPO uses 0.28) or null; got {a.clip_ratio_high}")
+    need(0 <= a.gamma <= 1, f"algorithm.gamma must be in [0, 1]; got {a.gamma}")
+    need(0 <= a.lam <= 1, f"algorithm.lam must be in [0, 1]; got {a.lam}")
+    need(a.ppo_epochs >= 1, "algorithm.ppo_epochs must be >= 1")
+    need(a.kl.coef >= 0, f"algorithm.kl.coef must be >= 0; got {a.kl.coef}")
+    need(a.kl.target > 0 and a.kl.horizon > 0, "algorithm.kl.target and algorithm.kl.horizon must be > 0")
+    need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")

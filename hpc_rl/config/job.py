@@ -1,0 +1,97 @@
+"""JobConfig: a whole job spec, its sections, what is derived from them, and the check of each section in turn
+(each section's module holds the checks of its keys; those that tie sections together run where the later one
+is checked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError
+from . import algorithm, evaluation, model, reward, rollout, runtime, trainer
+from .algorithm import AlgorithmConfig
+from .data import DataConfig
+from .evaluation import EvalConfig
+from .model import ModelConfig
+from .reward import RewardConfig
+from .rollout import RolloutConfig
+from .runtime import CheckpointConfig, EnvConfig, LoggingConfig, SlurmConfig
+from .trainer import TrainerConfig
+
+
+@dataclass
+class JobConfig:
+    """A whole job spec."""
+
+    # Name of the run (the run dir is OUTPUT_DIR/NAME-YYYYmmdd-HHMMSS, the Slurm job name).
+    name: str = "job"
+    # Seed of data order, sampling and initialization.
+    seed: int = 1
+    # Folder the run dirs go into.
+    output_dir: str = "runs"
+    # The policy model.
+    model: ModelConfig = field(default_factory=ModelConfig)
+    # The prompts.
+    data: DataConfig = field(default_factory=DataConfig)
+    # The reward function.
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    # The RL algorithm and its loss.
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    # The trainer ranks and the optimization.
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    # The rollout servers.
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Held-out evaluation (eval.jsonl, eval/step_N.jsonl).
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    # Checkpoints.
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # The processes' environment.
+    env: EnvConfig = field(default_factory=EnvConfig)
+    # Slurm resources.
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)
+    # Metrics and the step line.
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer steps of the whole run: RL steps x PPO epochs x mini-batches per step."""
+        per_step = self.samples_per_step // max(self.trainer.mini_batch_size, 1)
+        return self.trainer.steps * self.algorithm.ppo_epochs * per_step
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.trainer.prompts_per_step * self.algorithm.group_size
+
+    @property
+    def world_size(self) -> int:
+        return self.trainer.nodes * self.trainer.procs_per_node
+
+    @property
+    def gpus_per_rollout_server(self) -> int:
+        """GPUs of one rollout server: its tensor-parallel ones, and one more for a reward model it hosts."""
+        return self.rollout.tensor_parallel + (1 if self.reward.on_rollout_servers else 0)
+
+    @property
+    def response_budget(self) -> int:
+        """Response tokens a sample may have: rollout.max_new_tokens, or a multi-turn trajectory's total budget."""
+        r = self.rollout
+        return r.total_tokens(self.data.max_prompt_tokens) if r.env else r.max_new_tokens
+
+    @property
+    def rollout_servers(self) -> int:
+        """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth); rollout jobs'
+        servers come on top."""
+        return max(1, self.rollout.nodes) * self.rollout.servers_per_node
+
+
+def validate(cfg: JobConfig) -> JobConfig:
+    """Cross-field checks that types alone cannot express, section by section; ConfigError naming the key."""
+
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise ConfigError(msg)
+
+    need(bool(cfg.name) and "/" not in cfg.name and not cfg.name.startswith("."),
+         f"name: {cfg.name!r} must be a non-empty name without '/'")
+    for section in (model, algorithm, trainer, reward, rollout, evaluation, runtime):
+        section.check(cfg, need)
+    return cfg

@@ -1,0 +1,176 @@
+"""The rollout section: the servers (engine, sampling, placement, limits, weight sync, timeouts) and multi-turn
+environments."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .job import JobConfig
+
+
+@dataclass
+class SandboxConfig:
+    """Limits of the sandbox that runs model-written code (the python tool); see
+    hpc_rl.rollout.environments.sandbox for what each layer guarantees."""
+
+    # Wall-clock seconds of one run (at most rollout.tool_timeout_s).
+    wall_s: float = 10.0
+    # CPU seconds of one run.
+    cpu_s: int = 10
+    # Address space of each sandboxed process in MiB.
+    memory_mb: int = 1024
+    # Processes the sandbox may run at once (a fork bomb stops there).
+    processes: int = 16
+    # Bytes of stdout+stderr returned to the model (the run is killed past it).
+    output_bytes: int = 8192
+    # Refuse to run model code where kernel namespaces are unavailable (rlimits alone do not stop reads of the
+    # user's files or network access); false: run it with rlimits only.
+    require_isolation: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    """The rollout servers: engine, sampling, placement, weight sync and timeouts."""
+
+    # Generation engine; auto: vllm when it imports, else the HF engine.
+    engine: Literal["auto", "vllm", "hf"] = "auto"
+    # Rollout nodes of a Slurm job (0: the servers share the first trainer node).
+    nodes: int = 1
+    # Rollout servers per rollout node (e.g. one per GPU group of tensor_parallel GPUs). 0 (with nodes 0): none of
+    # the job's own; the trainer waits for rollout jobs (`hpc-rl rollout add RUN`).
+    servers_per_node: int = 1
+    # GPUs of this machine the rollout servers use in `hpc-rl run` (tensor_parallel per server).
+    local_devices: list = field(default_factory=list)
+    # CPU cores the rollout servers of `hpc-rl run` are pinned to (empty: not pinned), e.g. [1] beside
+    # trainer.local_cpus [0] to model a trainer node and a rollout node on one machine.
+    local_cpus: list = field(default_factory=list)
+    # Address the servers bind; 0.0.0.0 (all interfaces) so that other nodes reach them.
+    host: str = "0.0.0.0"
+    # Port the servers bind; 0: a free one, published in the run dir.
+    port: int = 0
+    # Sampling temperature (also applied to the trainer's log-probs).
+    temperature: float = 1.0
+    # Nucleus sampling mass (1: off).
+    top_p: float = 1.0
+    # Top-k sampling (-1: off).
+    top_k: int = -1
+    # Longest response in tokens.
+    max_new_tokens: int = 16
+    # Strings that end a response (each must be one token).
+    stop: list = field(default_factory=list)
+    # GPUs per vLLM server (tensor parallelism).
+    tensor_parallel: int = 1
+    # vLLM: fraction of GPU memory for weights + KV cache (on CPU: of one NUMA node's RAM, used only when
+    # kv_cache_bytes is 0).
+    gpu_memory_utilization: float = 0.2
+    # vLLM's KV cache in bytes (its kv_cache_memory_bytes), on CPU and GPU. null: on CPU derived from the job
+    # (concurrent sequences x max_model_len x the model's K/V bytes per token), on GPU sized by vLLM from
+    # gpu_memory_utilization; 0: always from gpu_memory_utilization (on CPU a fraction of a NUMA node's RAM).
+    kv_cache_bytes: int | None = None
+    # Longest prompt + response the engine accepts.
+    max_model_len: int = 256
+    # vLLM: no CUDA graphs (faster start, slower decode).
+    enforce_eager: bool = True
+    # Engine precision; auto: bfloat16 for vLLM, the model's for HF.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # How new weights reach the servers: a collective broadcast, a file on the shared filesystem, or HTTP;
+    # auto: collective where possible.
+    weight_sync: Literal["auto", "collective", "file", "http"] = "auto"
+    # Seconds one request (a generation chunk, a weight push) may take before it is retried elsewhere.
+    request_timeout_s: float = 300.0
+    # Retries of a failed request on other servers.
+    retries: int = 2
+    # Samples one request may ask a server for (prompts x n); a larger request is refused with 400 (the trainer's
+    # client splits its work to fit). Bounds what one request can make a server hold.
+    max_samples_per_request: int = 1024
+    # Tokens one request may ask for: its prompt tokens plus n x max_new_tokens per prompt; past it, 400. null:
+    # max_samples_per_request x max_model_len (no bound beyond the sample count).
+    max_tokens_per_request: int | None = None
+    # Requests a server holds at once (running or queued); one more is answered 429 with Retry-After, which the
+    # client treats as "try another server, or again shortly".
+    max_requests_in_flight: int = 256
+    # HF engine: samples generated together in one batch; a larger request is generated in chunks of this many,
+    # taking turns with other requests, so that one large request cannot starve small ones.
+    hf_batch_samples: int = 256
+    # Seconds to wait for every rollout server to come up.
+    startup_timeout_s: float = 900.0
+    # Seconds the trainer waits, with no rollout server left (or none yet: servers_per_node 0), for one to come
+    # back or join (a requeued rollout job, `hpc-rl rollout add`) before it stops with a checkpoint; null:
+    # startup_timeout_s; 0: stop at once.
+    wait_for_servers_s: float | None = None
+    # Generation runs this many steps ahead of training (0: generate, then train, in turn). Batch s is
+    # generated by policy version max(0, s - async_steps) while the trainer trains the earlier batches,
+    # so no sample is more than async_steps versions old (checked every step); README "How a step runs".
+    async_steps: int = 0
+    # Multi-turn rollouts: the environment class as pkg.module:Class (hpc_rl.rollout.environments.base has the
+    # interface; built in: hpc_rl.rollout.environments.tool_env:ToolCallEnv); null: one completion per prompt.
+    env: str | None = None
+    # Keyword arguments of the environment's constructor (one instance per trajectory).
+    env_kwargs: dict = field(default_factory=dict)
+    # Assistant turns per trajectory; each samples at most max_new_tokens.
+    max_turns: int = 4
+    # Response tokens per trajectory, assistant and observation turns together; 0: max_model_len minus
+    # data.max_prompt_tokens.
+    max_total_tokens: int = 0
+    # Seconds one environment step (a tool call) may take; past it the trajectory ends, counted as a tool error.
+    tool_timeout_s: float = 30.0
+    # The sandbox of the built-in python tool.
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+    @property
+    def server_wait_s(self) -> float:
+        """wait_for_servers_s, its null resolved to startup_timeout_s."""
+        return self.startup_timeout_s if self.wait_for_servers_s is None else float(self.wait_for_servers_s)
+
+    def total_tokens(self, max_prompt_tokens: int) -> int:
+        """The response budget of one trajectory (max_total_tokens, or what max_model_len leaves)."""
+        return self.max_total_tokens or self.max_model_len - max_prompt_tokens
+
+
+def check(cfg: JobConfig, need) -> None:
+    r = cfg.rollout
+    need(r.nodes >= 0 and r.servers_per_node >= 0, "rollout.nodes and rollout.servers_per_node must be >= 0")
+    need(r.servers_per_node >= 1 or r.nodes == 0,
+         f"rollout.servers_per_node 0 (no servers of the job's own) goes with rollout.nodes 0; got rollout.nodes "
+         f"{r.nodes}: set rollout.servers_per_node >= 1 or rollout.nodes: 0")
+    need(r.wait_for_servers_s is None or r.wait_for_servers_s >= 0,
+         f"rollout.wait_for_servers_s must be >= 0 (0: stop at once) or null; got {r.wait_for_servers_s}")
+    need(r.temperature > 0, f"rollout.temperature must be > 0; got {r.temperature}")
+    need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1]; got {r.top_p}")
+    need(r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+    need(r.max_samples_per_request >= 1, f"rollout.max_samples_per_request must be >= 1; got {r.max_samples_per_request}")
+    need(r.max_tokens_per_request is None or r.max_tokens_per_request >= r.max_model_len,
+         f"rollout.max_tokens_per_request must be >= rollout.max_model_len ({r.max_model_len}) or null; got "
+         f"{r.max_tokens_per_request}")
+    need(r.max_requests_in_flight >= 1, f"rollout.max_requests_in_flight must be >= 1; got {r.max_requests_in_flight}")
+    need(r.hf_batch_samples >= 1, f"rollout.hf_batch_samples must be >= 1; got {r.hf_batch_samples}")
+    need(0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be in (0, 1]")
+    need(r.kv_cache_bytes is None or r.kv_cache_bytes >= 0,
+         f"rollout.kv_cache_bytes must be >= 0 bytes (null derives it from the job); got {r.kv_cache_bytes}")
+    need(r.tensor_parallel >= 1, "rollout.tensor_parallel must be >= 1")
+    need(r.max_model_len > cfg.data.max_prompt_tokens,
+         f"rollout.max_model_len ({r.max_model_len}) must exceed data.max_prompt_tokens "
+         f"({cfg.data.max_prompt_tokens})")
+    need(0 <= r.port < 65536, f"rollout.port must be in [0, 65535]; got {r.port}")
+    need(0 <= r.async_steps <= 16, f"rollout.async_steps must be in [0, 16] (0: synchronous); got {r.async_steps}")
+    if r.env is not None:
+        _check_env(cfg, need)
+
+
+def _check_env(cfg: JobConfig, need) -> None:
+    r, sb = cfg.rollout, cfg.rollout.sandbox
+    need(isinstance(r.env, str) and ":" in r.env and all(r.env.split(":", 1)),
+         f"rollout.env: {r.env!r} is not pkg.module:Class; e.g. hpc_rl.rollout.environments.tool_env:ToolCallEnv")
+    need(r.max_turns >= 1, f"rollout.max_turns must be >= 1; got {r.max_turns}")
+    budget = r.total_tokens(cfg.data.max_prompt_tokens)
+    need(r.max_total_tokens >= 0 and budget >= 1 and
+         budget <= r.max_model_len - cfg.data.max_prompt_tokens,
+         f"rollout.max_total_tokens ({r.max_total_tokens}) must be in [1, rollout.max_model_len - "
+         f"data.max_prompt_tokens = {r.max_model_len - cfg.data.max_prompt_tokens}] (0: all of it)")
+    need(r.tool_timeout_s > 0, f"rollout.tool_timeout_s must be > 0; got {r.tool_timeout_s}")
+    need(0 < sb.wall_s <= r.tool_timeout_s, f"rollout.sandbox.wall_s must be in (0, rollout.tool_timeout_s = "
+         f"{r.tool_timeout_s}]; got {sb.wall_s}")
+    for key in ("cpu_s", "memory_mb", "processes", "output_bytes"):
+        need(getattr(sb, key) >= 1, f"rollout.sandbox.{key} must be >= 1; got {getattr(sb, key)}")

@@ -1,0 +1,80 @@
+"""The batch of each training step: the step's prompts (the deterministic sampler) through the one sample-and-score
+path (sampling.py), and the step's generation statistics.
+
+The batch carries each reward part unshaped (`reward_parts`): the function's scores, the reward model's raw logits
+when a server scores them, its token ids (`reward_model_ids`) when the trainer ranks do; the learner's step combines
+and shapes them in step order, so a batch generated ahead needs no reward state."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ..config import JobConfig
+from ..data.datasets import PromptDataset
+from ..data.sampler import indices_for_step
+from ..metrics import samples_sha1, server_token_stats
+from ..rollout.wire.sampling import SamplingParams
+from . import seeds
+from .batch import RolloutBatch
+from .dynamic_sampling import dynamic_batch
+from .sampling import Sampled, Sampler
+
+log = logging.getLogger("hpc_rl")
+debug = os.environ.get("HPC_RL_DEBUG") == "1"
+
+
+class BatchMaker:
+    """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
+
+    def __init__(self, cfg: JobConfig, sampler: Sampler):
+        self.cfg, self.sampler = cfg, sampler
+        self.client = sampler.client
+        self.dataset = PromptDataset(cfg.data, sampler.tokenizer, cfg.seed)
+        self.scoring = sampler.training_scoring()
+
+    def make(self, step: int) -> RolloutBatch:
+        """The batch of `step`: token ids, the engine's log-probs and policy version per sample, the reward parts
+        (unshaped) and stats. With algorithm.dynamic_sampling, only groups with a reward spread (more rounds)."""
+        cfg = self.cfg
+        idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
+        if not cfg.algorithm.dynamic_sampling.enabled:
+            return self.generate(step, idx, 0)
+        return dynamic_batch(self, step, idx)
+
+    def generate(self, step: int, idx: list[int], round_: int) -> RolloutBatch:
+        """Samples of the prompts `idx` (round_ > 0: an extra round of dynamic sampling, seeds of its own)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                                top_k=r.top_k, stop_token_ids=self.sampler.stop_ids)
+        sampled = self.sampler.sample(self.dataset, idx, cfg.algorithm.group_size, params,
+                                      seeds.training(cfg.seed, step, round_), step, self.scoring)
+        sampled.batch.stats = self._stats(step, idx, sampled)
+        return sampled.batch
+
+    def _stats(self, step: int, idx: list[int], sampled: Sampled) -> dict:
+        b = sampled.batch
+        masks = b.loss_masks
+        gen_tokens = sum(map(sum, masks))
+        gen_s = sampled.gen_seconds
+        for event in self.client.membership_events():  # one line per join or leave
+            log.info("step %d: %s", step + 1, event)
+        served = self.client.take_server_tokens()  # with rollout jobs: who did the work
+        if debug:
+            log.debug("step %d: tokens per server %s, measured tok/s %s", step + 1, dict(sorted(served.items())),
+                      {k: round(v, 1) for k, v in sorted(self.client.server_throughputs().items())})
+            log.debug("step %d: %d prompts x %d samples by policy version %s, response tokens %d, sample: %r -> %r "
+                      "(%s)", step + 1, len(idx), self.cfg.algorithm.group_size, sorted(set(b.versions)), gen_tokens,
+                      sampled.prompt_texts[0], sampled.texts[0], {k: v[0] for k, v in b.reward_parts.items()})
+        stats = {"response_len": sum(len(x) for x in b.responses) / len(b), **sampled.turn_stats,
+                 "rollout_servers": self.client.live_count(),
+                 "truncated_frac": sum(b.truncated) / len(b),
+                 "gen_seconds": gen_s, "reward_seconds": sampled.reward_seconds,
+                 "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
+                 "prompt_ids": [int(self.dataset.rows[i]["id"]) for i in idx],
+                 "samples_sha1": samples_sha1(b.responses), **server_token_stats(served)}
+        inputs = self.sampler.reward_inputs
+        if inputs is not None and inputs.truncated:
+            stats["reward_model_truncated"] = inputs.truncated
+            inputs.truncated = 0
+        return stats
