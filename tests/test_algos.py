@@ -338,7 +338,7 @@ def test_every_registered_algorithm_has_an_estimator_with_its_source():
     from hpc_rl.algos import estimators
     from hpc_rl.algos.registry import ALGORITHMS
 
-    assert set(ALGORITHMS) == {"ppo", "grpo", "rloo", "reinforce_pp"}
+    assert set(ALGORITHMS) == {"ppo", "grpo", "dr_grpo", "rloo", "reinforce_pp"}
     for name, algo in ALGORITHMS.items():
         fn = getattr(estimators, algo.estimator)
         assert callable(fn) and "https://" in fn.__doc__, name
@@ -458,3 +458,107 @@ def test_async_steps_and_rollout_correction_config():
         load_dict({"model": {"path": "m"}, "rollout": {"max_policy_lag": 1}})
     with pytest.raises(ConfigError, match=r"trainer.local_cpus must be a list of CPU core numbers"):
         load_dict({"model": {"path": "m"}, "trainer": {"local_cpus": ["a"]}})
+
+
+def test_the_sum_aggregations_by_hand():
+    """verl's token-sum, seq-mean-token-sum and seq-mean-token-sum-norm (Dr. GRPO), and that micro-batch weights
+    rebuild each one from parts."""
+    from hpc_rl.algos.losses import AGG_MODES, micro_batch_weight
+
+    loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])        # third row empty: not a sequence of any seq_ mode
+    close(aggregate(loss, mask, "token_mean"), 2.5)               # (1+2+3+4) / 4 tokens
+    close(aggregate(loss, mask, "seq_mean"), 3.0)                 # (6/3 + 4/1) / 2 rows
+    close(aggregate(loss, mask, "token_sum"), 10.0)               # 1+2+3+4
+    close(aggregate(loss, mask, "seq_mean_token_sum"), 5.0)       # (6 + 4) / 2 rows
+    close(aggregate(loss, mask, "seq_mean_token_sum_norm", 4.0), 1.25)   # (6/4 + 4/4) / 2 rows
+    with pytest.raises(ValueError, match="positive constant norm"):
+        aggregate(loss, mask, "seq_mean_token_sum_norm")
+    # A long and a short answer with the same per-token loss: the token mean of each row weighs them alike, the
+    # constant divisor weighs the long one by its length (Dr. GRPO's point).
+    same = T([[1.0, 1.0, 1.0, 1.0], [1.0, 0.0, 0.0, 0.0]])
+    lengths = T([[1, 1, 1, 1], [1, 0, 0, 0]])
+    close(aggregate(same, lengths, "seq_mean"), 1.0)
+    close(aggregate(same, lengths, "seq_mean_token_sum_norm", 4.0), (4 / 4 + 1 / 4) / 2)
+    for mode in AGG_MODES:
+        parts = [(slice(0, 1)), (slice(1, 3))]
+        rebuilt = sum(float(aggregate(loss[p], mask[p], mode, 4.0)) * micro_batch_weight(mask[p], mask, mode) for p in parts)
+        assert rebuilt == pytest.approx(float(aggregate(loss, mask, mode, 4.0))), mode
+
+
+def test_dual_clip_by_hand():
+    """Dual-clip PPO, clip 0.2, clip_ratio_c 3: A = -1 and r = 5 -> max(5, 1.2) = 5, bounded at 3 with no gradient;
+    A = -1 and r = 2 -> 2 (under the bound); A = +1 and r = 5 -> max(-5, -1.2) = -1.2 (the bound is for A < 0)."""
+    from hpc_rl.algos.losses import ppo_clip_loss
+
+    log_ratio = torch.log(T([5.0, 2.0, 5.0])).requires_grad_()
+    adv = T([-1.0, -1.0, 1.0])
+    loss, clipped = ppo_clip_loss(log_ratio, log_ratio, adv, 0.2, 0.2, 3.0)
+    close(loss, [3.0, 2.0, -1.2])
+    assert clipped.tolist() == [True, False, True]
+    loss.sum().backward()
+    close(log_ratio.grad, [0.0, 2.0, 0.0])   # d(-A r)/d log r = -A r = 2 for the middle token only
+    close(ppo_clip_loss(torch.log(T([5.0])), None, T([-1.0]), 0.2, 0.2, None)[0], [5.0])  # off: unbounded
+    # Through policy_loss and the config's default (verl's 3.0): mean of (3 + 2 - 1.2) over 3 tokens.
+    from hpc_rl.config import load_dict
+
+    a = load_dict({"model": {"path": "m"}}).algorithm
+    assert a.clip_ratio_c == 3.0
+    out, stats = policy_loss(torch.log(T([[5.0, 2.0, 5.0]])), torch.zeros(1, 3), T([[-1.0, -1.0, 1.0]]), T([[1, 1, 1]]),
+                             0.2, clip_ratio_c=a.clip_ratio_c)
+    close(out, (3.0 + 2.0 - 1.2) / 3)
+    assert stats["clipfrac"] == pytest.approx(2 / 3)
+
+
+def test_kl_clamp_abs_and_straight_through_by_hand():
+    """logp - ref = -5: k3 = e^5 - 5 - 1 = 142.41, clamped at 10 (verl's low_var_kl); abs = 5; k3+ has k3's value
+    and k2's gradient d/dlogp 0.5 (logp - ref)^2 = logp - ref = -5; k2+ is k2."""
+    lp = T([-6.0]).requires_grad_()
+    ref = T([-1.0])
+    close(kl_estimate(lp, ref, "k3", clamp=None), [math.exp(5) - 6])
+    close(kl_estimate(lp, ref, "k3"), [10.0])
+    close(kl_estimate(lp, ref, "abs"), [5.0])
+    st3 = kl_estimate(lp, ref, "k3+")
+    close(st3, [10.0])
+    st3.sum().backward()
+    close(lp.grad, [-5.0])
+    lp.grad = None
+    kl_estimate(lp, ref, "k3").sum().backward()
+    close(lp.grad, [0.0])   # the clamped k3 itself passes no gradient there
+    close(kl_estimate(lp, ref, "k2+"), kl_estimate(lp, ref, "k2"))
+    close(kl_estimate(lp, ref, "k1+"), [-5.0])
+
+
+def test_dr_grpo_means_both_normalizations_off():
+    """algorithm.name: dr_grpo: advantages r - group mean (no std), the loss a token sum per sequence over a
+    constant (the response budget: the toy's max_new_tokens), as the paper's eq. and verl's
+    norm_adv_by_std_in_grpo: false + loss_agg_mode: seq-mean-token-sum-norm; the keys still override."""
+    from hpc_rl.algos.estimators import AdvantageInputs, compute_advantages
+    from hpc_rl.config import load_dict
+
+    spec = {"model": {"path": "m"}, "rollout": {"max_new_tokens": 6}, "trainer": {"mini_batch_size": 16},
+            "algorithm": {"name": "dr_grpo", "group_size": 2}}
+    a = load_dict(spec).algorithm
+    assert (a.norm_adv_by_std, a.loss_agg, a.loss_agg_norm) == (False, "seq_mean_token_sum_norm", 6.0)
+    scores, mask = T([1.0, 0.0, 0.25, 0.75]), torch.ones(4, 2)
+    adv, _ = compute_advantages(AdvantageInputs(scores, slice(0, 4), torch.zeros(4, 2), None, mask), a)
+    close(adv[:, 0], [0.5, -0.5, -0.25, 0.25])
+    grpo = load_dict({**spec, "algorithm": {"name": "grpo", "group_size": 2}}).algorithm
+    assert (grpo.norm_adv_by_std, grpo.loss_agg, grpo.loss_agg_norm) == (True, "token_mean", None)
+    gspo = load_dict({**spec, "algorithm": {"ratio": "sequence"}}).algorithm
+    assert gspo.loss_agg == "seq_mean"   # GSPO's paper and verl average per sequence
+    mine = load_dict({**spec, "algorithm": {"name": "dr_grpo", "loss_agg": "token_mean", "norm_adv_by_std": True}}).algorithm
+    assert (mine.norm_adv_by_std, mine.loss_agg) == (True, "token_mean")
+
+
+def test_new_algorithm_keys_are_validated():
+    from hpc_rl.config import load_dict
+    from hpc_rl.errors import ConfigError
+
+    for key, bad, msg in (("clip_ratio_c", 1.0, "algorithm.clip_ratio_c must be > 1"),
+                          ("loss_agg_norm", 0, "algorithm.loss_agg_norm must be > 0"),
+                          ("loss_agg", "seq-mean-token-sum", "algorithm.loss_agg: 'seq-mean-token-sum' is not valid")):
+        with pytest.raises(ConfigError, match=msg):
+            load_dict({"model": {"path": "m"}, "algorithm": {key: bad}})
+    with pytest.raises(ConfigError, match="algorithm.kl.clamp must be > 0"):
+        load_dict({"model": {"path": "m"}, "algorithm": {"kl": {"clamp": -1}}})

@@ -156,7 +156,7 @@ def _grads_and_loss(model, batch, a, micro_batches, old_from_forward: bool):
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean", "token_sum", "seq_mean_token_sum", "seq_mean_token_sum_norm"])
 def test_token_budget_and_no_recompute_give_the_padded_paths_loss_and_gradients(tiny_model, agg):
     from transformers import AutoModelForCausalLM
 

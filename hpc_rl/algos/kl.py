@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import torch
 
+from .registry import KL_ESTIMATOR_NAMES
 from .utils import LOG_RATIO_CLAMP
 
-KL_KINDS = ("k1", "k2", "k3")
-
+KL_KINDS = KL_ESTIMATOR_NAMES
+# verl's clamp of the k3 estimate (low_var_kl): a log-ratio of 5 would otherwise put ~143 on one token.
+KL_CLAMP_DEFAULT = 10.0
 
 
 def k3(x: torch.Tensor) -> torch.Tensor:
@@ -16,20 +18,34 @@ def k3(x: torch.Tensor) -> torch.Tensor:
     return (torch.expm1(x) - x).clamp(min=0.0)
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
-    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3).
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3",
+                clamp: float | None = KL_CLAMP_DEFAULT) -> torch.Tensor:
+    """Per-token estimate of KL(policy || ref) from samples of the policy (Schulman's k1/k2/k3, and |k1|).
 
-    k1 = logp - ref (unbiased, can be negative); k2 = 0.5 * (logp - ref)^2; k3 = exp(ref - logp)
-    - (ref - logp) - 1 (unbiased, low variance, always >= 0). http://joschu.net/blog/kl-approx.html
+    k1 = logp - ref (unbiased, can be negative); abs = |logp - ref|; k2 = 0.5 * (logp - ref)^2; k3 = exp(ref - logp)
+    - (ref - logp) - 1 (unbiased, low variance, always >= 0), at most `clamp` (None: unclamped).
+    http://joschu.net/blog/kl-approx.html. A trailing "+" (k3+): the value of the estimator with the gradient of
+    k2, the one whose expected gradient is KL's (straight-through; Liu et al. 2025, https://arxiv.org/abs/2505.17508;
+    as verl's kl_penalty, https://github.com/volcengine/verl/blob/main/verl/trainer/ppo/core_algos.py).
     """
+    base = kind[:-1] if kind.endswith("+") else kind
     log_ratio = logprobs - ref_logprobs
-    if kind == "k1":
-        return log_ratio
-    if kind == "k2":
-        return 0.5 * log_ratio**2
-    if kind == "k3":
-        return k3((-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+    if base == "k1":
+        value = log_ratio
+    elif base == "abs":
+        value = log_ratio.abs()
+    elif base == "k2":
+        value = 0.5 * log_ratio**2
+    elif base == "k3":
+        value = k3((-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+        if clamp is not None:
+            value = value.clamp(max=clamp)
+    else:
+        raise ValueError(f"unknown KL estimator {kind!r}; expected one of {KL_KINDS}")
+    if base == kind or base == "k2":
+        return value
+    k2 = 0.5 * log_ratio**2
+    return k2 - k2.detach() + value.detach()
 
 
 class FixedKLController:

@@ -8,23 +8,38 @@ import torch
 
 from ..config import AlgorithmConfig
 from .kl import k3, kl_estimate
+from .registry import LOSS_AGGREGATIONS
 from .utils import LOG_RATIO_CLAMP, masked_mean
 
-AGG_MODES = ("token_mean", "seq_mean")
+AGG_MODES = tuple(LOSS_AGGREGATIONS)
+# Modes that count each sequence once (their micro-batch share is a share of rows, not of tokens).
+_PER_SEQUENCE = ("seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean") -> torch.Tensor:
-    """Reduce a [B, T] loss to a scalar.
+def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] loss to a scalar (verl's agg_loss; names in algos/registry.py LOSS_AGGREGATIONS).
 
-    token_mean: sum over all valid tokens / their count. seq_mean: each row's token mean, then the
-    mean over rows that have at least one valid token (empty rows are skipped, not counted as 0).
-    verl's agg_loss (token-mean / seq-mean-token-mean); why token_mean: DAPO, https://arxiv.org/abs/2503.14476.
+    token_mean: sum over all valid tokens / their count (DAPO, https://arxiv.org/abs/2503.14476). token_sum: the sum
+    over valid tokens. The seq_ modes reduce each row, then take the mean over rows that have at least one valid
+    token (empty rows are skipped, not counted as 0): seq_mean, each row's token mean; seq_mean_token_sum, each row's
+    token sum; seq_mean_token_sum_norm, each row's token sum / `norm`, a constant (Dr. GRPO's "divide by the
+    generation budget", https://arxiv.org/abs/2503.20783: no bias toward long or short answers).
     """
+    m = mask.to(loss_mat.dtype)
     if mode == "token_mean":
         return masked_mean(loss_mat, mask)
-    if mode == "seq_mean":
-        per_seq = masked_mean(loss_mat, mask, dim=-1)
-        has_tokens = (mask.to(loss_mat.dtype) != 0).any(dim=-1).to(loss_mat.dtype)
+    if mode == "token_sum":
+        return (loss_mat * m).sum()
+    if mode in _PER_SEQUENCE:
+        if mode == "seq_mean":
+            per_seq = masked_mean(loss_mat, mask, dim=-1)
+        else:
+            per_seq = (loss_mat * m).sum(-1)
+            if mode == "seq_mean_token_sum_norm":
+                if norm is None or norm <= 0:
+                    raise ValueError(f"loss aggregation {mode} needs a positive constant norm; got {norm!r}")
+                per_seq = per_seq / norm
+        has_tokens = (m != 0).any(dim=-1).to(loss_mat.dtype)
         return masked_mean(per_seq, has_tokens)
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
 
@@ -32,14 +47,16 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mea
 def micro_batch_weight(micro_mask: torch.Tensor, mini_batch_mask: torch.Tensor, mode: str = "token_mean") -> float:
     """The factor that turns a micro-batch's aggregate into its share of the mini-batch's aggregate.
 
-    token_mean: its valid tokens / the mini-batch's; seq_mean: its rows with tokens / the mini-batch's. The
-    weighted micro-batch losses then sum to the loss of the whole mini-batch however it is cut (as verl's
-    loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
+    token_mean: its valid tokens / the mini-batch's; the per-sequence modes: its rows with tokens / the mini-batch's;
+    token_sum: 1 (sums add up). The weighted micro-batch losses then sum to the loss of the whole mini-batch however
+    it is cut (as verl's loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
     """
     if mode == "token_mean":
         part, whole = micro_mask.sum(), mini_batch_mask.sum()
-    elif mode == "seq_mean":
+    elif mode in _PER_SEQUENCE:
         part, whole = (micro_mask != 0).any(-1).sum(), (mini_batch_mask != 0).any(-1).sum()
+    elif mode == "token_sum":
+        return 1.0
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
     return float(part) / float(whole) if float(whole) > 0 else 0.0
@@ -49,7 +66,7 @@ def _float(x: torch.Tensor) -> float:
     return float(x.detach().float().item())
 
 
-# The policy losses algorithm.policy_loss names: fn(log_ratio, logprobs, advantages, clip_low, clip_high) ->
+# The policy losses algorithm.policy_loss names: fn(log_ratio, logprobs, advantages, clip_low, clip_high, clip_c) ->
 # (per-token loss, tokens whose ratio was clipped), as verl's POLICY_LOSS_REGISTRY without its config coupling.
 POLICY_LOSSES: dict[str, Callable] = {}
 
@@ -64,23 +81,36 @@ def register_policy_loss(name: str) -> Callable:
     return deco
 
 
+def dual_clip(loss: torch.Tensor, advantages: torch.Tensor, clip_c: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dual-clip PPO: where A < 0, the per-token loss is at most -A * clip_c, so a token whose ratio has grown far
+    (r > clip_c) while its advantage is negative stops pushing (Ye et al. 2020, https://arxiv.org/abs/1912.09729;
+    verl's clip_ratio_c). Returns the loss and the tokens where the bound holds it (None: no bound)."""
+    if clip_c is None:
+        return loss, torch.zeros_like(loss, dtype=torch.bool)
+    bound = -advantages * clip_c
+    held = (advantages < 0) & (loss > bound)
+    return torch.where(held, bound, loss), held
+
+
 @register_policy_loss("ppo")
 def ppo_clip_loss(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-                  clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)) per token; r = exp(log_ratio).
-    Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher: DAPO, https://arxiv.org/abs/2503.14476."""
+                  clip_high: float, clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate max(-A*r, -A*clip(r, 1-clip_low, 1+clip_high)) per token; r = exp(log_ratio); with
+    clip_c, dual-clipped for A < 0 (dual_clip). Schulman et al. 2017, https://arxiv.org/abs/1707.06347; clip-higher:
+    DAPO, https://arxiv.org/abs/2503.14476."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    return torch.maximum(unclipped, clipped), clipped > unclipped
+    loss, held = dual_clip(torch.maximum(unclipped, clipped), advantages, clip_c)
+    return loss, (clipped > unclipped) | held
 
 
 @register_policy_loss("cispo")
 def cispo_loss(log_ratio: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor, clip_low: float,
-               clip_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+               clip_high: float, clip_c: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO: -sg(clip(r, 1-clip_low, 1+clip_high)) * A * log pi per token: the importance weight is clipped, not the
-    update, so every token keeps its gradient (at r = 1 it is PPO's). MiniMax-M1 eq. 4,
-    https://arxiv.org/abs/2506.13585; as verl's compute_policy_loss_cispo
+    update, so every token keeps its gradient (at r = 1 it is PPO's); clip_c does not apply (the weight is bounded
+    already). MiniMax-M1 eq. 4, https://arxiv.org/abs/2506.13585; as verl's compute_policy_loss_cispo
     (https://github.com/volcengine/verl/blob/main/verl/trainer/ppo/core_algos.py)."""
     ratio = torch.exp(log_ratio).detach()
     weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
@@ -115,13 +145,16 @@ def policy_loss(
     is_weights: torch.Tensor | None = None,
     loss: str = "ppo",
     ratio_level: str = "token",
+    clip_ratio_c: float | None = None,
+    agg_norm: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The policy loss `loss` (POLICY_LOSSES: ppo, cispo) on the `ratio_level` importance ratio (token, or GSPO's
     sequence ratio), times per-token off-policy weights w (algos.correction.truncated_is_weights; 1 when None),
-    aggregated over valid tokens. clip_ratio_high (DAPO "clip-higher") defaults to clip_ratio.
+    aggregated by `agg` (aggregate; agg_norm: the constant of seq_mean_token_sum_norm). clip_ratio_high (DAPO
+    "clip-higher") defaults to clip_ratio; clip_ratio_c: dual-clip bound for negative advantages (None: off).
 
     stats: clipfrac (share of valid tokens whose ratio was clipped: for ppo, where the clipped term is the larger
-    one, i.e. the gradient is cut), approx_kl (k3 estimator of KL(old || new) from the token ratios: mean of
+    one or the dual clip holds it, i.e. the gradient is cut), approx_kl (k3 estimator of KL(old || new) from the token ratios: mean of
     (r - 1) - log r, always >= 0, as CleanRL's ppo.py), ratio_mean (mean ratio used over valid tokens).
     """
     hi = clip_ratio if clip_ratio_high is None else clip_ratio_high
@@ -129,10 +162,10 @@ def policy_loss(
     log_ratio = importance_log_ratio(logprobs, old_logprobs, mask, ratio_level)
     # Zero padding advantages: a NaN there would otherwise turn into NaN gradients through where().
     advantages = torch.where(m, advantages, torch.zeros_like(advantages))
-    per_token, was_clipped = POLICY_LOSSES[loss](log_ratio, logprobs, advantages, clip_ratio, hi)
+    per_token, was_clipped = POLICY_LOSSES[loss](log_ratio, logprobs, advantages, clip_ratio, hi, clip_ratio_c)
     if is_weights is not None:
         per_token = per_token * is_weights
-    out = aggregate(per_token, mask, agg)
+    out = aggregate(per_token, mask, agg, agg_norm)
     with torch.no_grad():
         token_lr = log_ratio if ratio_level == "token" else importance_log_ratio(logprobs, old_logprobs, mask)
         stats = {
@@ -160,13 +193,14 @@ def actor_loss(
     https://arxiv.org/abs/2402.03300), each aggregated by algorithm.loss_agg; is_weights go to policy_loss.
     stats: policy_loss, entropy, kl_loss (with a reference), and policy_loss's."""
     pg, stats = policy_loss(logprobs, old_logprobs, advantages, mask, a.clip_ratio, a.loss_agg, a.clip_ratio_high,
-                            is_weights, a.policy_loss, a.ratio)
+                            is_weights, a.policy_loss, a.ratio, a.clip_ratio_c, a.loss_agg_norm)
     loss = pg
-    ent = aggregate(entropy, mask, a.loss_agg)
+    ent = aggregate(entropy, mask, a.loss_agg, a.loss_agg_norm)
     if a.entropy_coef:
         loss = loss - a.entropy_coef * ent
     if ref_logprobs is not None:
-        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, a.kl.estimator), mask, a.loss_agg)
+        kl_loss = aggregate(kl_estimate(logprobs, ref_logprobs, a.kl.estimator, a.kl.clamp), mask, a.loss_agg,
+                            a.loss_agg_norm)
         loss = loss + kl_coef * kl_loss
         stats["kl_loss"] = _float(kl_loss)
     stats.update({"policy_loss": _float(pg), "entropy": _float(ent)})
@@ -180,6 +214,7 @@ def value_loss(
     mask: torch.Tensor,
     clip: float | None,
     agg: str = "token_mean",
+    agg_norm: float | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, old - c, old + c) - R)^2).
 
@@ -198,7 +233,7 @@ def value_loss(
     else:
         v_clipped = old_values + torch.clamp(values - old_values, -clip, clip)
         err_clipped = (v_clipped - returns) ** 2
-    loss = 0.5 * aggregate(torch.maximum(err, err_clipped), mask, agg)
+    loss = 0.5 * aggregate(torch.maximum(err, err_clipped), mask, agg, agg_norm)
     with torch.no_grad():
         stats = {
             "vf_clipfrac": _float(masked_mean((err_clipped > err).to(values.dtype), mask)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ..algos.registry import ALGORITHMS, POLICY_LOSSES, algorithm
+from ..algos.registry import ALGORITHMS, KL_ESTIMATOR_NAMES, LOSS_AGGREGATIONS, POLICY_LOSSES, algorithm
 
 if TYPE_CHECKING:
     from .job import JobConfig
@@ -17,8 +17,11 @@ class KLConfig:
 
     # KL coefficient beta (the initial one when adaptive).
     coef: float = 0.0
-    # Per-token estimator (Schulman's k1/k2/k3, http://joschu.net/blog/kl-approx.html).
-    estimator: Literal["k1", "k2", "k3"] = "k3"
+    # Per-token estimator (Schulman's k1/k2/k3, http://joschu.net/blog/kl-approx.html, and abs = |k1|; verl's kl, mse,
+    # low_var_kl, abs). A trailing "+" (k3+): the estimator's value with k2's gradient, the unbiased one (verl's).
+    estimator: KLEstimatorName = "k3"
+    # k3's per-token value is at most this (verl clamps low_var_kl at 10); null: no clamp.
+    clamp: float | None = 10.0
     # Put the KL into the per-token rewards (true) or add it to the loss (false); null: the algorithm's
     # default (PPO and REINFORCE++: rewards; GRPO and RLOO: loss, the only place they allow).
     in_reward: bool | None = None
@@ -45,6 +48,8 @@ class DynamicSamplingConfig:
     on_exhausted: Literal["warn", "error"] = "warn"
 
 
+KLEstimatorName = Literal[KL_ESTIMATOR_NAMES]  # noqa: PYI047 (checked at load)
+LossAggName = Literal[tuple(LOSS_AGGREGATIONS)]  # noqa: PYI047 (checked at load)
 AlgorithmName = Literal[tuple(ALGORITHMS)]  # noqa: PYI047 (the registry's names, checked at load)
 PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # noqa: PYI047 (the registry's names, checked at load)
 
@@ -53,7 +58,8 @@ PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # noqa: PYI047 (the registry's n
 class AlgorithmConfig:
     """The RL algorithm (see hpc_rl/algos/registry.py) and its loss settings."""
 
-    # Advantage estimator and what it needs: ppo (GAE + critic), grpo, rloo, reinforce_pp.
+    # Advantage estimator and what it needs: ppo (GAE + critic), grpo, dr_grpo (GRPO without the std and the length
+    # normalizations), rloo, reinforce_pp.
     name: AlgorithmName = "grpo"
     # Samples generated per prompt (GRPO/RLOO compare them with each other).
     group_size: int = 8
@@ -66,16 +72,26 @@ class AlgorithmConfig:
     # DAPO's decoupled upper clip (https://arxiv.org/abs/2503.14476): the ratio is clipped to
     # [1 - clip_ratio, 1 + clip_ratio_high]; null: the same as clip_ratio.
     clip_ratio_high: float | None = None
+    # Dual-clip PPO (https://arxiv.org/abs/1912.09729, verl's clip_ratio_c): for a negative advantage the token's loss
+    # is at most -A * clip_ratio_c, so a ratio far above 1 cannot push without bound; null: off. Policy loss ppo only.
+    clip_ratio_c: float | None = 3.0
     # Clip of the critic's value change per update (PPO); null: no clipping.
     value_clip: float | None = 0.2
     # Weight of the value loss (PPO).
     value_coef: float = 0.5
     # Weight of the entropy bonus (0: none).
     entropy_coef: float = 0.0
-    # How token losses become one number: mean over all tokens, or per sequence then over sequences.
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    # GRPO: divide by the group's std (false: Dr. GRPO, https://arxiv.org/abs/2503.20783).
-    norm_adv_by_std: bool = True
+    # How token losses become one number (verl's loss_agg_mode): token_mean (all valid tokens; DAPO), seq_mean (each
+    # sequence's token mean, then the mean over sequences; verl's seq-mean-token-mean), token_sum,
+    # seq_mean_token_sum, seq_mean_token_sum_norm (each sequence's token sum / loss_agg_norm, then the mean over
+    # sequences: Dr. GRPO). null: the algorithm's (dr_grpo: seq_mean_token_sum_norm), seq_mean with ratio: sequence
+    # (GSPO's), else token_mean.
+    loss_agg: LossAggName | None = None
+    # The constant that seq_mean_token_sum_norm divides each sequence's token sum by; null: the job's response budget
+    # (rollout.max_new_tokens, or a multi-turn trajectory's), so the divisor never changes during the run.
+    loss_agg_norm: float | None = None
+    # GRPO: divide by the group's std; null: the algorithm's (dr_grpo: false, https://arxiv.org/abs/2503.20783).
+    norm_adv_by_std: bool | None = None
     # PPO: whiten the GAE advantages over the whole batch.
     whiten_advantages: bool = True
     # Passes over the step's samples (each pass: all mini-batches).
@@ -104,6 +120,16 @@ class AlgorithmConfig:
     # DAPO's dynamic sampling (groups with a reward spread only).
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
+    def __post_init__(self):
+        # The defaults that depend on the algorithm (the run's config.yaml then shows what ran).
+        if self.name not in ALGORITHMS:  # the loader names the key; a direct construction keeps its value
+            return
+        entry = algorithm(self.name)
+        if self.norm_adv_by_std is None:
+            self.norm_adv_by_std = entry.norm_adv_by_std
+        if self.loss_agg is None:
+            self.loss_agg = "seq_mean" if self.ratio == "sequence" and entry.loss_agg == "token_mean" else entry.loss_agg
+
     @property
     def uses_critic(self) -> bool:
         return algorithm(self.name).needs_critic
@@ -123,6 +149,8 @@ class AlgorithmConfig:
 
 def check(cfg: JobConfig, need) -> None:
     a = cfg.algorithm
+    if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_agg_norm is None:
+        a.loss_agg_norm = float(cfg.response_budget)  # a constant of the job, shown in the run's config.yaml
     need(a.group_size >= 1, "algorithm.group_size must be >= 1")
     if algorithm(a.name).group_baseline:
         need(a.group_size >= 2, f"algorithm.group_size must be >= 2 for {a.name} "
@@ -154,4 +182,10 @@ def check(cfg: JobConfig, need) -> None:
     need(a.ppo_epochs >= 1, "algorithm.ppo_epochs must be >= 1")
     need(a.kl.coef >= 0, f"algorithm.kl.coef must be >= 0; got {a.kl.coef}")
     need(a.kl.target > 0 and a.kl.horizon > 0, "algorithm.kl.target and algorithm.kl.horizon must be > 0")
+    need(a.clip_ratio_c is None or a.clip_ratio_c > 1,
+         f"algorithm.clip_ratio_c must be > 1 (dual-clip's bound on the ratio for negative advantages; verl uses 3.0) "
+         f"or null (off); got {a.clip_ratio_c}")
+    need(a.loss_agg_norm is None or a.loss_agg_norm > 0,
+         f"algorithm.loss_agg_norm must be > 0 (the constant divisor of seq_mean_token_sum_norm) or null; got {a.loss_agg_norm}")
+    need(a.kl.clamp is None or a.kl.clamp > 0, f"algorithm.kl.clamp must be > 0 or null (no clamp); got {a.kl.clamp}")
     need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")

@@ -237,7 +237,8 @@ class Trainer:
         """Per-token KL(policy || reference) before the update (zero without a reference)."""
         if fwd.ref_logprobs is None:
             return torch.zeros_like(fwd.old_logprobs)
-        return kl_estimate(fwd.old_logprobs, fwd.ref_logprobs, self.cfg.algorithm.kl.estimator)
+        kl = self.cfg.algorithm.kl
+        return kl_estimate(fwd.old_logprobs, fwd.ref_logprobs, kl.estimator, kl.clamp)
 
     def advantages(self, shard: Shard, fwd: Forwards):
         """Per-token advantages (and returns, for the critic) from the algorithm's registered estimator; a KL

@@ -94,6 +94,8 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                 idx, w = mb.rows, mb.response_width
                 mask = mb.batch.response_mask
                 weight = micro_batch_weight(mask, mini_mask, a.loss_agg)
+                if a.loss_agg == "token_sum":  # DeepSpeed averages the ranks' gradients: make it their sum
+                    weight *= dist.world_size
                 logp, ent = policy_forward(t.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
                 if fill_old:  # before this mini-batch's (only) optimizer step: these are the old log-probs
                     old_lp[idx, :w] = logp.detach()
@@ -111,7 +113,8 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                 t.actor.step()
                 if t.critic is not None:
                     v = value_forward(t.critic, mb.batch)
-                    vl, vst = value_loss(v, old_values[idx, :w], returns[idx, :w], mask, a.value_clip, a.loss_agg)
+                    vl, vst = value_loss(v, old_values[idx, :w], returns[idx, :w], mask, a.value_clip, a.loss_agg,
+                                         a.loss_agg_norm)
                     t.critic.backward(a.value_coef * vl * weight, scale_wrt_gas=False)
                     t.critic.step()
                     st.update(vst)
