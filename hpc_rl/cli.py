@@ -170,18 +170,24 @@ def dispatch(args: argparse.Namespace) -> int:
     raise AssertionError(args.command)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `hpc-rl` console script."""
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The command line as `hpc-rl` reads it (SystemExit with argparse's message on a bad one)."""
     # Overrides may follow options (`run JOB --resume RUN trainer.steps=6`), which argparse alone rejects.
     args, extra = parser.parse_known_args(argv)
     if extra:
         if getattr(args, "overrides", None) is not None and all("=" in a and not a.startswith("-") for a in extra):
             args.overrides += extra
-        elif args.command == "rollout" and all("=" in a and not a.startswith("-") for a in extra):
+        elif args.command in ("rollout", "sweep") and all("=" in a and not a.startswith("-") for a in extra):
             args.args += extra
         else:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `hpc-rl` console script."""
+    parser = build_parser()
+    args = parse_args(parser, argv)
     if not args.command:
         parser.print_help()
         return 2

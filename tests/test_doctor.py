@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -278,7 +279,11 @@ def test_model_folder_without_tokenizer_fails(tmp_path):
     r = job.check_model(Ctx(job=make_job(model={"path": str(tmp_path)})))
     assert r.status == FAIL and "lacks tokenizer files" in r.message
     r = job.check_model(Ctx(job=make_job(model={"path": "Qwen/Qwen2.5-0.5B"})))
-    assert r.status == FAIL and "does not exist here" in r.message and "hf download ORG/Qwen2.5-0.5B" in r.fix
+    assert r.status == FAIL and "does not exist here" in r.message and "hf download <hub org>/Qwen2.5-0.5B " in r.fix
+    # A recipe's header names the hub id: the fix is the command to paste.
+    recipe = Path(__file__).resolve().parents[1] / "jobs" / "qwen2.5-0.5b-gsm8k-grpo.yaml"
+    r = job.check_model(Ctx(job=make_job(model={"path": "models/Qwen2.5-0.5B-Instruct"}), job_path=str(recipe)))
+    assert "`hf download Qwen/Qwen2.5-0.5B-Instruct --local-dir models/Qwen2.5-0.5B-Instruct`" in r.fix, r.fix
 
 
 def test_tokenizer_without_pad_warns_and_without_eos_fails(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 from pathlib import Path
 
 from ..errors import first_line
@@ -17,6 +18,20 @@ def _model_dir(ctx: Ctx) -> Path | None:
     return Path(p) if p and Path(p).is_dir() else None
 
 
+def _hub_id(ctx: Ctx, name: str) -> str:
+    """The hub id of a model folder named `name`: as the job file's own comments spell it (the recipes say
+    `hf download Qwen/Qwen2.5-0.5B-Instruct ...`), else a placeholder that says what to put there."""
+    try:
+        text = Path(ctx.job_path).read_text() if ctx.job_path else ""
+    except OSError:
+        text = ""
+    local_parent = Path(ctx.job.model.path).parent.name
+    for found in re.findall(r"(?<![\w./-])([\w.-]+)/" + re.escape(name) + r"(?![\w.-])", text):
+        if found not in (local_parent, ".", ".."):
+            return f"{found}/{name}"
+    return f"<hub org>/{name}"
+
+
 @check("job:model", needs_job=True)
 def check_model(ctx: Ctx) -> Result:
     m = ctx.job.model
@@ -25,8 +40,8 @@ def check_model(ctx: Ctx) -> Result:
     p = Path(m.path)
     if not p.exists():
         return Result("job:model", FAIL, f"model.path: {m.path} does not exist here",
-                      f"download the model first (compute nodes are often offline), e.g. "
-                      f"`hf download ORG/{p.name} --local-dir {m.path}`, or fix model.path")
+                      f"download the model first (compute nodes are often offline): "
+                      f"`hf download {_hub_id(ctx, p.name)} --local-dir {m.path}`, or fix model.path")
     missing = []
     if not (p / "config.json").is_file():
         missing.append("config.json")
