@@ -16,7 +16,7 @@ usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no
   --prefix DIR        where the env lives (default: REPO/.venv)
   --no-vllm           skip vLLM (rollouts then use the HF engine)
   --tracking          also install the tracking extra (wandb, mlflow-skinny) for logging.wandb / logging.mlflow
-  --test-extras       also install the test/data/plot/bench/tracking extras (pytest, hypothesis, pyarrow, trl, ...)
+  --test-extras       also install the test/bench/tracking extras (pytest, hypothesis, trl, wandb, ...)
   --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster, and python3 (the
                       sandbox tests run as an unprivileged user, who cannot execute a venv under /root)
                       (CI/dev machines only: needs root and apt-get; skipped otherwise)
@@ -226,8 +226,9 @@ verify "the env's python runs and pip works" \
     'import sys, pip; print(f"python {sys.version.split()[0]} at {sys.prefix}, pip {pip.__version__}")'
 
 # ------------------------------------------------------------------ 2. the project
-EXTRAS=""
-[ "$TRACKING" = 1 ] && EXTRAS="[tracking]"
+# data (parquet, `hpc-rl data`) and plots (`hpc-rl plot`) are what the recipes use: every install has them.
+EXTRAS="[data,plots]"
+[ "$TRACKING" = 1 ] && EXTRAS="[data,plots,tracking]"
 [ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots,bench,tracking]"
 step 2 "project: pip install --no-deps -e . (then its dependencies${EXTRAS:+ and extras $EXTRAS})" \
     "the project's dependencies must be installable from your pip index (pip config list); see the log"

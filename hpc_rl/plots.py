@@ -40,7 +40,11 @@ def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path,
                 evals: list[list[dict]] | None = None) -> Path:
     """Draw reward and KL against step for each (label, metrics rows), and held-out pass@1 when `evals` (each
     curve's eval.jsonl rows) has any; write a PNG of fixed size."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise HpcRlError("hpc-rl plot needs matplotlib, which this environment lacks: install it with "
+                         "`pip install 'hpc-rl[plots]'` (install.sh installs it)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

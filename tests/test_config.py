@@ -147,3 +147,12 @@ def test_config_show_documents_every_key(capsys):
     out = capsys.readouterr().out
     assert any(ln.split()[:2] == ["trainer.lr", "0.5"] for ln in out.splitlines())
     assert any(ln.split()[:2] == ["algorithm.name", "ppo"] for ln in out.splitlines())
+
+
+def test_eval_every_beyond_a_shortened_run_warns_and_the_final_evaluation_stays(caplog):
+    """The eval toy shortened (trainer.steps=5, eval.every 10) loads: only its evaluation after the last step runs,
+    and the warning says so."""
+    with caplog.at_level("WARNING", logger="hpc_rl"):
+        cfg = config.load(REPO / "jobs" / "toy-grpo-eval-cpu.yaml", ["trainer.steps=5"])
+    assert cfg.eval.every == 10 and cfg.trainer.steps == 5
+    assert "eval.every (10) is beyond trainer.steps (5): only the evaluation after the last step runs" in caplog.text

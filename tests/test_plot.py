@@ -98,3 +98,14 @@ def test_plot_errors_are_one_line(tmp_path):
     assert p.returncode == 2 and "no metrics yet" in p.stderr and p.stderr.count("\n") == 1
     p = _plot("nothing", "--runs-dir", str(tmp_path / "runs"), "--sweeps-dir", str(tmp_path))
     assert p.returncode == 2 and "neither a run nor a sweep" in p.stderr
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_extra(tmp_path, monkeypatch, capsys):
+    from hpc_rl import cli
+
+    _run(tmp_path / "runs" / "toy-1", _rows(5, 1.0))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: `import matplotlib` raises
+    rc = cli.main(["plot", "toy", "--runs-dir", str(tmp_path / "runs")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert "hpc-rl plot needs matplotlib" in err[0] and "pip install 'hpc-rl[plots]'" in err[0], err

@@ -161,6 +161,12 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
             if seed is not None:
                 o["seed"] = seed
             points.append(Point(len(points), o, _label(o)))
+    gridded = {k for pt in points for k in pt.overrides}
+    shadowed = sorted({o.split("=", 1)[0] for o in common if "=" in o} & gridded)
+    if shadowed:  # a point's own value is applied after the common overrides, so theirs would never take effect
+        logging.getLogger("hpc_rl").warning("%s: the override(s) of %s are replaced by every point's own value (the "
+                                            "grid/list/seeds set them); drop them or take the key out of the grid",
+                                            path, ", ".join(shadowed))
     name = str(data.get("name") or p.stem)
     if not name or "/" in name or name.startswith("."):
         raise ConfigError(f"{path}: name {name!r} must be a non-empty name without '/'")

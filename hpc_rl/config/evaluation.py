@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -75,8 +76,9 @@ def check(cfg: JobConfig, need) -> None:
         return
     need(bool(str(e.source).strip()), "eval.source must name held-out prompts (toy:NAME, a file, hf:NAME) or be null")
     need(e.every >= 0, f"eval.every must be >= 0 (0: only after the last step); got {e.every}")
-    need(e.every <= cfg.trainer.steps, f"eval.every ({e.every}) is beyond trainer.steps ({cfg.trainer.steps}): "
-         "it would never run; lower it, or use eval.every: 0 (after the last step only)")
+    if e.every > cfg.trainer.steps:  # a shortened run (trainer.steps=5) still evaluates once, after its last step
+        logging.getLogger("hpc_rl").warning("eval.every (%d) is beyond trainer.steps (%d): only the evaluation after the "
+                                            "last step runs", e.every, cfg.trainer.steps)
     need(e.samples_per_prompt >= 1, f"eval.samples_per_prompt must be >= 1 (the k of pass@k); got {e.samples_per_prompt}")
     need(e.temperature >= 0, f"eval.temperature must be >= 0 (0: greedy); got {e.temperature}")
     need(e.temperature > 0 or e.samples_per_prompt == 1,

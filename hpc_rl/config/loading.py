@@ -191,6 +191,9 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or first_line(e)
         raise ConfigError(f"{path}:{where}: invalid YAML ({problem}); fix the syntax there") from None
+    if isinstance(data, dict) and "base" in data and ("grid" in data or "list" in data):
+        raise ConfigError(f"{path}: this is a sweep file (base + grid/list), not a job spec: run it with "
+                          f"`hpc-rl sweep {path}`, or pass its base job spec ({data['base']})")
     return load_dict(data, overrides)
 
 
