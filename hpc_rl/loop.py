@@ -21,6 +21,7 @@ from . import checkpoints
 from .config import JobConfig
 from .errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingError
 from .metrics import format_step_line
+from .run_summary import summary_lines
 from .rundir import RunDir
 
 log = logging.getLogger("hpc_rl")
@@ -144,6 +145,7 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
     elif dist.is_main:
         orch.evaluate_start()
     preempted = False
+    t_fit, first_step = time.monotonic(), learner.step
     while learner.step < total:
         step = learner.step
         try:
@@ -181,7 +183,9 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                             "the step's end)", learner.step, m["skipped_updates"], learner.skipped_in_a_row)
             orch.record(learner.step, m, last=learner.step == total)
             if learner.step % cfg.logging.every == 0 or learner.step == total:
-                log.info(format_step_line(learner.step, total, m))
+                elapsed = time.monotonic() - t_fit
+                eta = elapsed / (learner.step - first_step) * (total - learner.step)
+                log.info(format_step_line(learner.step, total, m, elapsed, eta))
         if learner.skipped_in_a_row >= cfg.trainer.max_skipped_in_a_row:
             raise TrainingError(f"{learner.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite "
                                 f"loss or gradient (the last at step {learner.step}; trainer.max_skipped_in_a_row "
@@ -204,6 +208,9 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
             break
     if dist.is_main:
         orch.finish(learner.step, preempted)
+        if not preempted and learner.step == total:
+            for line in summary_lines(run, time.monotonic() - t_fit):
+                log.info(line)
 
 
 def save(learner, orch) -> None:

@@ -57,12 +57,28 @@ def idle_seconds(spans: list, t0: float, t1: float) -> float:
     return max(0.0, (t1 - t0) - covered)
 
 
-def format_step_line(step: int, total: int, m: dict) -> str:
+def duration(seconds: float) -> str:
+    """4s, 2m05s, 3h07m: a step line's elapsed time and ETA."""
+    s = max(0, int(round(seconds)))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def format_step_line(step: int, total: int, m: dict, elapsed: float | None = None, eta: float | None = None) -> str:
+    """Rank 0's line for one step; elapsed (this process's training time) and eta (at this session's mean step time)
+    close it when given."""
     parts = [f"step {step}/{total}"]
     for key, label, fmt in STEP_LINE:
         if key in m and m[key] is not None:
             v = m[key]
             parts.append(f"{label} {fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else v}")
+    if elapsed is not None:
+        parts.append(f"elapsed {duration(elapsed)}")
+    if eta is not None and step < total:
+        parts.append(f"eta {duration(eta)}")
     return " | ".join(parts)
 
 

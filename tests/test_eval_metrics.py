@@ -60,3 +60,45 @@ def test_eval_metrics_by_hand():
     assert set(m) == {"eval/reward_mean", "eval/mean@4", "eval/pass@1", "eval/pass@2", "eval/pass@4"}
     # a lower threshold lets 0.5 pass
     assert eval_metrics([[0.5]], 0.5)["eval/pass@1"] == 1.0
+
+
+def test_a_best_evaluation_at_step_0_names_the_initial_policy(tmp_path):
+    """No step improved on the initial policy: there is no checkpoint to link, and export --best says why instead
+    of claiming a checkpoints/best that does not exist."""
+    from hpc_rl.checkpoints import record_eval
+    from hpc_rl.errors import CheckpointError
+    from hpc_rl.rundir import RunDir
+    from hpc_rl.train.export import best_step
+
+    run = RunDir(tmp_path / "run")
+    assert record_eval(run, {"step": 0, "eval/pass@1": 0.5}, "eval/pass@1", "max")
+    assert not record_eval(run, {"step": 10, "eval/pass@1": 0.25}, "eval/pass@1", "max")
+    assert not (run.checkpoints / "best").exists()
+    with pytest.raises(CheckpointError, match="the best evaluation is step 0's, of the initial policy"):
+        best_step(run)
+
+
+def test_step_line_durations():
+    from hpc_rl.metrics import duration, format_step_line
+
+    assert [duration(x) for x in (4.4, 125, 3 * 3600 + 7 * 60 + 30)] == ["4s", "2m05s", "3h07m"]
+    assert format_step_line(3, 10, {}, 30.0, 70.0) == "step 3/10 | elapsed 30s | eta 1m10s"
+    assert format_step_line(10, 10, {}, 100.0, 0.0) == "step 10/10 | elapsed 1m40s"
+
+
+def test_run_summary_from_the_run_dir(tmp_path):
+    import json
+
+    from hpc_rl.checkpoints import record_eval
+    from hpc_rl.run_summary import summary_lines
+    from hpc_rl.rundir import RunDir
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    rows = [{"step": s, "reward_mean": r} for s, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0], start=1)]
+    (run.root / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    record_eval(run, {"step": 0, "eval/pass@1": 0.5}, "eval/pass@1", "max")
+    lines = summary_lines(run, 125.0)
+    assert lines[0] == "summary: 7 steps in 2m05s; reward 0.000 at step 1, 0.760 over the last 5"
+    assert lines[1] == "summary: best eval/pass@1 0.5000 at step 0 (the initial policy (model.path))"
+    assert lines[2].startswith("summary: no checkpoint kept")

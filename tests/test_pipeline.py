@@ -51,8 +51,13 @@ def test_one_line_per_step_from_rank_0(short_run):
     _, _, r = short_run
     lines = [ln for ln in r.stdout.splitlines() if " step " in ln and "/4 |" in ln]
     assert len(lines) == 4, r.stdout
-    for key in ("reward", "kl", "pg_loss", "entropy", "grad", "s/step", "wait s", "rollout idle s", "gen tok/s"):
+    for key in ("reward", "kl", "pg_loss", "entropy", "grad", "s/step", "wait s", "rollout idle s", "gen tok/s",
+                "elapsed", "eta"):
         assert key in lines[0]
+    assert "elapsed" in lines[-1] and "eta" not in lines[-1]  # nothing left to estimate after the last step
+    summary = [ln for ln in r.stdout.splitlines() if "summary: " in ln]
+    assert "summary: 4 steps in " in summary[0] and "over the last 4" in summary[0], summary
+    assert any("`hpc-rl plot " in ln for ln in summary), summary
     assert "[rank 1]" not in r.stdout
 
 

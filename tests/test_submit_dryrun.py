@@ -213,3 +213,10 @@ def test_debug_logs_the_node_settings(monkeypatch, caplog):
         logger.removeHandler(caplog.handler)
     text = caplog.text
     assert "NCCL_DEBUG=INFO" in text and "NCCL_IB_DISABLE=1" in text and "GLOO_SOCKET_IFNAME=" in text
+
+
+def test_rollout_nodes_0_shows_the_servers_beside_the_trainer(capsys, tmp_path):
+    out = dry_run(capsys, "jobs/toy-grpo-cpu.yaml", "rollout.nodes=0", f"output_dir={tmp_path}")
+    assert "# node 0: trainer 0 (2 trainer rank(s) + 1 rollout server(s) beside them, rollout.nodes 0)" in out
+    out = dry_run(capsys, "jobs/toy-grpo-cpu.yaml", "rollout.nodes=0", "rollout.servers_per_node=0", f"output_dir={tmp_path}")
+    assert "no rollout server of its own: `hpc-rl rollout add` brings them" in out

@@ -58,5 +58,9 @@ def describe(cfg: JobConfig) -> list[str]:
         what = {"trainer": f"{n.procs} trainer rank(s)",
                 "rollout": f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}",
                 "reward": "1 reward server (the reward model only)"}[n.role]
+        if n.role == "trainer" and n.role_index == 0 and cfg.rollout.nodes == 0:
+            shared = (f"{cfg.rollout.servers_per_node} rollout server(s) beside them, rollout.nodes 0"
+                      if cfg.rollout.servers_per_node else "no rollout server of its own: `hpc-rl rollout add` brings them")
+            what += f" + {shared}"
         lines.append(f"node {n.index}: {n.role} {n.role_index} ({what})")
     return lines

@@ -86,9 +86,10 @@ class Orchestrator:
         if cfg.eval.enabled:
             self.evaluator = Evaluator(cfg, self.sampler, run)
             self.evaluator.log = EvalLog(run, resume_step=resumed.step)
-            log.info("eval: %d held-out prompts of %s x %d sample(s), at step 0: %s, every %s steps and at the end",
-                     self.evaluator.prompts, cfg.eval.source, cfg.eval.samples_per_prompt, cfg.eval.at_start,
-                     cfg.eval.every or "-")
+            when = ["before the first step"] if cfg.eval.at_start else []
+            when += [f"every {cfg.eval.every} steps"] if cfg.eval.every else []
+            log.info("eval: %d held-out prompts of %s x %d sample(s), %s", self.evaluator.prompts, cfg.eval.source,
+                     cfg.eval.samples_per_prompt, ", ".join(when + ["after the last step"]))
         self.policy_version = resumed.step  # the trainer's, as the orchestrator knows it
         self._recoveries = 0  # waits for servers since the last finished step (a step that keeps failing stops)
         self._check_sync = None  # set by push: the learner's probe to compare the servers' log-probs with
@@ -223,8 +224,9 @@ class Orchestrator:
                 metrics.update({k: v for k, v in row.items() if k.startswith("eval/")})
                 metrics["eval/step"] = row["step"]
                 if ck.keep_best and record_eval(self.run, row, ck.keep_best, ck.best_mode):
-                    log.info("best %s so far: %.4f at step %d (checkpoints/best)", ck.keep_best,
-                             row[ck.keep_best], row["step"])
+                    where = ("the initial policy: model.path, no checkpoint of its own" if row["step"] == 0
+                             else "checkpoints/best")
+                    log.info("best %s so far: %.4f at step %d (%s)", ck.keep_best, row[ck.keep_best], row["step"], where)
         self.metrics.write(step, metrics)
 
     def checkpoint_state(self, step: int) -> tuple[list[RolloutBatch], dict]:

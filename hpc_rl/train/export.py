@@ -22,8 +22,12 @@ def best_step(rd) -> int:
     ck = best_checkpoint(rd)
     if ck is None:
         rec = best_record(rd)
-        why = (f"the best evaluation (step {rec['step']}) has no checkpoint left" if rec else
-               "the run has no best checkpoint (it needs checkpoint.keep_best: METRIC and an evaluation)")
+        if rec and int(rec["step"]) == 0:
+            why = "the best evaluation is step 0's, of the initial policy (model.path), which no step improved on"
+        elif rec:
+            why = f"the best evaluation (step {rec['step']}) has no checkpoint left"
+        else:
+            why = "the run has no best checkpoint (it needs checkpoint.keep_best: METRIC and an evaluation)"
         raise CheckpointError(f"{rd.root}: {why}; pick a --step")
     return int(ck.name[5:])
 

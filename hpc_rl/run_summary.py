@@ -1,0 +1,36 @@
+"""What a finished run ends its log with: how far the reward came, the best evaluation and where its checkpoint
+is, and the commands that take the result further."""
+
+from __future__ import annotations
+
+from .checkpoints import best_checkpoint, best_record, find_latest
+from .metrics import duration, read_metrics
+from .rundir import RunDir
+
+LAST_N = 5
+
+
+def summary_lines(run: RunDir, elapsed_s: float | None = None) -> list[str]:
+    """A few lines for rank 0's log at the end of a run (nothing is computed that metrics.jsonl does not hold)."""
+    rows = [r for r in read_metrics(run.root / "metrics.jsonl") if r.get("reward_mean") is not None]
+    lines = []
+    if rows:
+        last = rows[-LAST_N:]
+        mean = sum(r["reward_mean"] for r in last) / len(last)
+        took = f" in {duration(elapsed_s)}" if elapsed_s is not None else ""
+        lines.append(f"summary: {rows[-1]['step']} steps{took}; reward {rows[0]['reward_mean']:.3f} at step "
+                     f"{rows[0]['step']}, {mean:.3f} over the last {len(last)}")
+    rec = best_record(run)
+    if rec is not None:
+        ck = best_checkpoint(run)
+        where = (f"{run.root / 'checkpoints' / 'best'} -> {ck.name}" if ck is not None else
+                 "the initial policy (model.path)" if int(rec["step"]) == 0 else "no checkpoint of it is left")
+        lines.append(f"summary: best {rec['metric']} {rec['value']:.4f} at step {rec['step']} ({where})")
+    latest = find_latest(run)
+    if latest is not None:
+        best = " [--best]" if rec is not None and best_checkpoint(run) is not None else ""
+        lines.append(f"summary: export with `hpc-rl export {run.root} OUT/{best}` ({latest.name} by default); "
+                     f"curves: `hpc-rl plot {run.root}`")
+    else:
+        lines.append(f"summary: no checkpoint kept (checkpoint.every 0); curves: `hpc-rl plot {run.root}`")
+    return lines
