@@ -288,6 +288,8 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
         env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(world),
                     "LOCAL_WORLD_SIZE": str(ppn), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)})
         env.setdefault("OMP_NUM_THREADS", "1")
+        if cfg.trainer.device == "cpu":  # DeepSpeed would probe for an accelerator and warn on every rank
+            env.setdefault("DS_ACCELERATOR", "cpu")
         env.setdefault("HPC_RL_TRAINER_THREADS", str(cpu_threads(cfg, ppn, "trainer", cpus)))
         cmd = [sys.executable, "-m", "hpc_rl.loop", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
