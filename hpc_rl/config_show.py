@@ -58,13 +58,17 @@ def show_config(job: str | None = None, overrides: list[str] | None = None) -> i
     """Print every key (with the job's values when a job is given) as aligned columns; returns 0."""
     cfg = config.load(job, overrides) if job else None
     table = rows(cfg)
+    defaults = {key: value for key, _, value, _ in rows()} if cfg is not None else {}
     wk = max(len(r[0]) for r in table)
     wv = min(24, max(len(r[2]) for r in table))
+    if cfg is not None:
+        print(f"# {job}: a value that differs from the default shows the default first, in brackets")
     section = None
     for key, tp, value, doc in table:
         head = key.split(".")[0] if "." in key else ""
         if head != section:
             section = head
             print(f"\n# {head or 'top level'}")
-        print(f"{key:<{wk}}  {value:<{wv}}  {doc}  [{tp}]")
+        differs = f"[default {defaults[key]}] " if key in defaults and defaults[key] != value else ""
+        print(f"{key:<{wk}}  {value:<{wv}}  {differs}{doc}  [{tp}]")
     return 0

@@ -145,8 +145,10 @@ def test_config_show_documents_every_key(capsys):
     job = Path(__file__).resolve().parents[1] / "jobs" / "toy-ppo-cpu.yaml"
     assert cli.main(["config", "show", str(job), "trainer.lr=0.5"]) == 0
     out = capsys.readouterr().out
-    assert any(ln.split()[:2] == ["trainer.lr", "0.5"] for ln in out.splitlines())
-    assert any(ln.split()[:2] == ["algorithm.name", "ppo"] for ln in out.splitlines())
+    assert any(ln.split()[:4] == ["trainer.lr", "0.5", "[default", "1e-05]"] for ln in out.splitlines())
+    assert any(ln.split()[:4] == ["algorithm.name", "ppo", "[default", "grpo]"] for ln in out.splitlines())
+    seed = next(ln for ln in out.splitlines() if ln.startswith("seed "))
+    assert "[default" not in seed  # the toy's seed 1 is the default
 
 
 def test_eval_every_beyond_a_shortened_run_warns_and_the_final_evaluation_stays(caplog):
