@@ -14,6 +14,10 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6 algorithm.kl.coef=0.01")
 
 
+RUNS_DIR_HELP = "where runs live (default: runs)"
+SWEEPS_DIR_HELP = "where sweeps live (default: runs/sweeps)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hpc-rl", description="RL post-training of language models on Slurm clusters.")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
@@ -28,18 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("status", help="list runs with their Slurm state, step and last reward")
     p.add_argument("run", nargs="?", help="a run name or run dir (default: all runs)")
-    p.add_argument("--runs-dir", default="runs", help="where runs live (default: runs)")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
     p.add_argument("--json", action="store_true", help="machine-readable output")
 
     p = sub.add_parser("logs", help="show a run's logs")
     p.add_argument("run", help="a run name or run dir")
-    p.add_argument("--role", choices=["trainer", "rollout", "reward", "all"], default="all")
-    p.add_argument("--follow", "-f", action="store_true")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--role", choices=["trainer", "rollout", "reward", "all"], default="all",
+                   help="whose logs: the trainer ranks', the rollout servers', the reward servers' (default: all)")
+    p.add_argument("--follow", "-f", action="store_true", help="keep printing new lines until the run ends (Ctrl-C stops)")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("cancel", help="cancel a run's Slurm job (every process of it)")
     p.add_argument("run", help="a run name or run dir")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("export", help="write an HF model folder (or a LoRA run's PEFT adapter folder) from a checkpoint")
     p.add_argument("run", help="a run name or run dir")
@@ -52,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a LoRA run's adapters merged into the base: a plain HF folder (the default)")
     form.add_argument("--adapter", dest="form", action="store_const", const="adapter",
                       help="a LoRA run's PEFT adapter folder (PeftModel.from_pretrained(base, OUT))")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("sweep", help="a sweep as one Slurm job array: [run] FILE | status SWEEP | resubmit SWEEP --failed")
     p.add_argument("args", nargs="+", metavar="ARG",
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="status: machine-readable output")
     p.add_argument("--follow", "-f", action="store_true", help="status: wait (with progress) until every point ended")
     p.add_argument("--failed", action="store_true", help="resubmit: the points that failed (they resume)")
-    p.add_argument("--sweeps-dir", default="runs/sweeps", help="where sweeps live (default: runs/sweeps)")
+    p.add_argument("--sweeps-dir", default="runs/sweeps", help=SWEEPS_DIR_HELP)
 
     p = sub.add_parser("rollout", help="rollout servers as Slurm jobs of their own: add RUN | list RUN | remove RUN JOBID")
     p.add_argument("args", nargs="+", metavar="ARG",
@@ -70,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--servers-per-node", type=int, help="add: servers per node (default: rollout.servers_per_node)")
     p.add_argument("--dry-run", action="store_true", help="add: print the job's sbatch script; submit nothing")
     p.add_argument("--json", action="store_true", help="list: machine-readable output")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("eval", help="evaluate a run's checkpoints (or an HF folder) on held-out prompts (eval.*)")
     p.add_argument("target", metavar="RUN_OR_MODEL_DIR", help="a run (name or dir), or an HF model folder with --job")
@@ -82,31 +87,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--submit", action="store_true", help="as a Slurm job array, one element per checkpoint")
     p.add_argument("--dry-run", action="store_true", help="with --submit: print the array's sbatch script only")
     p.add_argument("overrides", nargs="*", help="eval.* / rollout.* overrides, e.g. eval.samples_per_prompt=8")
-    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
 
     p = sub.add_parser("plot", help="PNG of reward/KL curves of a run or a sweep (into its plots/)")
     p.add_argument("target", metavar="RUN_OR_SWEEP", help="a run or sweep (name or dir)")
     p.add_argument("--out", help="PNG path (default: RUN_OR_SWEEP/plots/curves.png)")
-    p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--sweeps-dir", default="runs/sweeps")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
+    p.add_argument("--sweeps-dir", default="runs/sweeps", help=SWEEPS_DIR_HELP)
 
     p = sub.add_parser("sync", help="upload a run's or a sweep's offline W&B runs (from a machine with internet)")
     p.add_argument("target", metavar="RUN_OR_SWEEP", help="a run or sweep (name or dir)")
     p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
-    p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--sweeps-dir", default="runs/sweeps")
+    p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
+    p.add_argument("--sweeps-dir", default="runs/sweeps", help=SWEEPS_DIR_HELP)
 
     p = sub.add_parser("config", help="every job-spec key with its type, default (or the job's value) and doc")
-    p.add_argument("action", choices=["show"])
+    p.add_argument("action", choices=["show"], help="show: the table of keys")
     p.add_argument("job", nargs="?", help="a job spec: show its resolved values instead of the defaults")
     p.add_argument("overrides", nargs="*", help="dotted overrides applied to the job")
 
     p = sub.add_parser("doctor", help="check this environment for known pitfalls, with fixes")
     p.add_argument("--job", help="also check this job spec")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("overrides", nargs="*", help="with --job: dotted overrides, as `hpc-rl run` takes them")
 
     p = sub.add_parser("data", help="prepare a dataset (needs internet for hub datasets)")
-    p.add_argument("name", choices=["gsm8k"])
+    p.add_argument("name", choices=["gsm8k"], help="the dataset")
     p.add_argument("out", help="output folder")
     p.add_argument("--source", help="a local copy (jsonl/parquet or HF datasets folder) instead of the hub")
     return ap
@@ -163,7 +169,9 @@ def dispatch(args: argparse.Namespace) -> int:
         return show_config(args.job, args.overrides)
     if args.command == "doctor":
         from .doctor import run_doctor
-        return run_doctor(job=args.job, as_json=args.json)
+        if args.overrides and not args.job:
+            raise ConfigError(f"doctor: overrides ({' '.join(args.overrides)}) apply to a job: add --job JOB.yaml")
+        return run_doctor(job=args.job, as_json=args.json, overrides=args.overrides)
     if args.command == "data":
         from .data.prepare import prepare_dataset
         return prepare_dataset(args.name, args.out, source=args.source)

@@ -62,7 +62,7 @@ def _print_human(results: list[Result], stream=None) -> None:
     print(f"doctor: {len(results)} checks, {n_fail} FAIL, {n_warn} warn", file=stream)
 
 
-def run_doctor(job: str | None = None, as_json: bool = False) -> int:
+def run_doctor(job: str | None = None, as_json: bool = False, overrides: list[str] | None = None) -> int:
     """Entry point of `hpc-rl doctor`: print every check's result; exit code 1 on any FAIL, else 0."""
     if os.environ.get("HPC_RL_DEBUG") == "1":
         logging.basicConfig(level=logging.DEBUG)
@@ -72,8 +72,9 @@ def run_doctor(job: str | None = None, as_json: bool = False) -> int:
         from .config import load
         from .errors import HpcRlError
         try:
-            ctx = Ctx(job=load(job), job_path=job)
-            pre.append(Result("job:spec", OK, f"{job} loads and validates"))
+            ctx = Ctx(job=load(job, overrides), job_path=job)
+            with_ov = f" with {' '.join(overrides)}" if overrides else ""
+            pre.append(Result("job:spec", OK, f"{job}{with_ov} loads and validates"))
         except HpcRlError as e:
             pre.append(Result("job:spec", FAIL, str(e), "fix the job spec as the message says"))
     results = pre + run_checks(ctx)

@@ -27,7 +27,7 @@ from .models.tiny import build_tiny_model
 from .models.tiny_reward import build_tiny_reward_model
 from .nccl import nccl_env
 from .netutil import advertise_host, free_port
-from .orchestrator.evaluation import check_held_out, eval_data_config
+from .orchestrator.evaluation import check_held_out
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model
 from .rundir import RunDir, read_json, write_json_atomic
@@ -59,7 +59,7 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         check_reward_model(rm)
     load_rows(cfg.data, cfg.seed)
     if cfg.eval.enabled:
-        load_rows(eval_data_config(cfg), cfg.seed, "eval")
+        load_rows(cfg.eval_data, cfg.seed, "eval")
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if cfg.model.tiny is not None:
@@ -79,7 +79,7 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         train = PromptDataset(cfg.data, tokenizer, cfg.seed)
         if cfg.eval.enabled:
-            check_held_out(cfg, train, PromptDataset(eval_data_config(cfg), tokenizer, cfg.seed, "eval"))
+            check_held_out(cfg, train, PromptDataset(cfg.eval_data, tokenizer, cfg.seed, "eval"))
         check_lora_targets(cfg)
         for section in (cfg.data, cfg.eval):
             if section.source and section.source.endswith((".jsonl", ".json", ".parquet")):

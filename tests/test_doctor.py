@@ -456,3 +456,19 @@ def test_trainer_memory_with_and_without_lora(tiny_model):
     j = make_job(model={"path": str(tiny_model), "lora": {"target_modules": ["qkv"]}})
     r = job.check_trainer_memory(Ctx(job=j))
     assert r.status == FAIL and "'qkv' matches no linear module" in r.message and "'o_proj'" in r.message
+
+
+def test_eval_source_is_checked_and_doctor_takes_overrides(tmp_path, capsys):
+    """doctor --job loads eval.source as the run would at its start; dotted overrides reach the job checked."""
+    r = job.check_eval_data(Ctx(job=make_job(eval={"source": str(tmp_path / "missing.jsonl")})))
+    assert r.status == FAIL and "missing.jsonl" in r.message and "eval.source" in r.fix
+    r = job.check_eval_data(Ctx(job=make_job(data={"source": "toy:repeat_digit"}, eval={"source": "toy:repeat_digit"})))
+    assert r.status == OK and "held-out prompts" in r.message
+    assert job.check_eval_data(Ctx(job=make_job())).status == OK  # no evaluation
+    from hpc_rl import cli
+
+    toy = Path(__file__).resolve().parents[1] / "jobs" / "toy-grpo-eval-cpu.yaml"
+    assert cli.main(["doctor", "eval.source=x.jsonl"]) == 2
+    assert "add --job JOB.yaml" in capsys.readouterr().err
+    results = run_checks(Ctx(job=config.load(toy, [f"eval.source={tmp_path / 'nope.jsonl'}"]), job_path=str(toy)))
+    assert next(r for r in results if r.name == "job:eval-data").status == FAIL

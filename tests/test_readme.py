@@ -1,6 +1,7 @@
 """The README holds: every `hpc-rl ...` command in its code blocks parses with the real argument parser (options,
 choices, arity), the job files it passes load as jobs, and every repository path it names exists."""
 
+import argparse
 import re
 import shlex
 from pathlib import Path
@@ -64,3 +65,12 @@ def test_every_repository_path_the_readme_names_exists():
     missing = sorted(p for p in named if "X.Y" not in p and not (list(REPO.glob(p)) if "*" in p else (REPO / p).exists()))
     assert not missing, f"the README names paths that do not exist: {missing}"
     assert len(named) >= 20, named  # the test can fail: a regex that finds nothing checks nothing
+
+
+def test_every_option_of_every_command_has_help():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and isinstance(a.choices, dict))
+    missing = [f"{name} {'/'.join(action.option_strings) or action.dest}"
+               for name, p in sub.choices.items() for action in p._actions
+               if action.help is None and not isinstance(action, argparse._HelpAction)]
+    assert not missing, f"options without help: {missing}"

@@ -81,6 +81,8 @@ def test_bad_rollout_commands_are_one_line_errors(tmp_path, capsys):
     run.done_file.write_text("{}")
     assert cli.main(["rollout", "add", str(run.root)]) == 2
     assert "has finished" in capsys.readouterr().err
+    assert cli.main(["rollout", "add", str(run.root), "--dry-run"]) == 0  # the script, and the note
+    assert "# note: run toy-grpo-20260101-000000 has finished" in capsys.readouterr().out
 
 
 def test_dry_run_prints_the_script_and_the_indexes(tmp_path, capsys):

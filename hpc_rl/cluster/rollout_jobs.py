@@ -182,6 +182,9 @@ def add_rollout_job(target: str, nodes: int = 1, servers_per_node: int | None = 
         print(render_rollout_job(cfg, run.root, nodes, overrides), end="")
         print(f"# dry run: nothing submitted; {nodes} node(s) x {spn} server(s), indexes {first}.."
               f"{first + nodes * spn - 1} of run {run.name}")
+        if run.done_file.exists():
+            print(f"# note: run {run.name} has finished (RUN/rendezvous/done.json): submitting this would be refused, "
+                  "a rollout job would have nothing to serve")
         return 0
     slurmq.need_sbatch("add rollout jobs", "--dry-run prints the script")
     with _jobs_locked(run):

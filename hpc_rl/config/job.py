@@ -4,6 +4,7 @@ is checked)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
@@ -75,6 +76,13 @@ class JobConfig:
         """Response tokens a sample may have: rollout.max_new_tokens, or a multi-turn trajectory's total budget."""
         r = self.rollout
         return r.total_tokens(self.data.max_prompt_tokens) if r.env else r.max_new_tokens
+
+    @property
+    def eval_data(self) -> DataConfig:
+        """The held-out prompts as a data section: eval.source, eval.split and eval.prompt_key, data's prompt limit."""
+        e = self.eval
+        return dataclasses.replace(self.data, source=e.source, split=e.split,
+                                   prompt_key=e.prompt_key or self.data.prompt_key, shuffle=False)
 
     @property
     def rollout_servers(self) -> int:

@@ -164,6 +164,27 @@ def sample_rows(job, n: int = 2) -> tuple[list[dict], str]:
             {"prompt": "7 7", "ground_truth": "7", "answer": "7"}][:n], why
 
 
+@check("job:eval-data", needs_job=True)
+def check_eval_data(ctx: Ctx) -> Result:
+    """eval.source loads here (as the run would load it at its start), so a missing file is found before the job
+    waits in the queue."""
+    from ..data.datasets import load_rows
+    from ..errors import HpcRlError
+
+    job = ctx.job
+    if not job.eval.enabled:
+        return Result("job:eval-data", OK, "no evaluation (eval.source is null)")
+    try:
+        n = len(load_rows(job.eval_data, job.seed, "eval"))
+    except HpcRlError as e:
+        return Result("job:eval-data", FAIL, str(e), "fix eval.source (prepare the data first: hpc-rl data ...), or "
+                      "set eval.source: null to train without held-out evaluations")
+    if n == 0:
+        return Result("job:eval-data", FAIL, f"eval.source {job.eval.source}: no prompts", "point eval.source at "
+                      "held-out prompts")
+    return Result("job:eval-data", OK, f"eval.source {job.eval.source}: {n} held-out prompts")
+
+
 @check("job:reward", needs_job=True)
 def check_reward(ctx: Ctx) -> list[Result]:
     """The reward `pkg.mod:fn` imports and returns one finite float per sample on sample rows (the trainer's own

@@ -25,7 +25,7 @@ from ..errors import CheckpointError, ConfigError
 from ..launch import start_rollout_server, stop_processes
 from ..logs import setup_logging
 from ..models.loading import load_tokenizer
-from ..orchestrator.evaluation import EvalLog, Evaluator, eval_data_config
+from ..orchestrator.evaluation import EvalLog, Evaluator
 from ..orchestrator.sampling import Sampler
 from ..rewards.base import load_reward_fn
 from ..rollout.client.rollout_client import RolloutClient
@@ -47,7 +47,7 @@ def _eval_overrides(overrides: list[str]) -> list[str]:
 
 def _check_inputs(cfg: JobConfig) -> None:
     """The held-out prompts and the scoring function load, before any server starts or anything is written."""
-    load_rows(eval_data_config(cfg), cfg.seed, "eval")
+    load_rows(cfg.eval_data, cfg.seed, "eval")
     if cfg.eval.reward:
         load_reward_fn(cfg.eval.reward, "eval.reward")
     elif cfg.reward.function:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ..config import DataConfig, JobConfig
+from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..errors import RolloutError
 from ..eval.pass_at_k import eval_metrics
@@ -31,13 +31,6 @@ from . import seeds
 from .sampling import Sampler, Scoring
 
 log = logging.getLogger("hpc_rl")
-
-def eval_data_config(cfg: JobConfig) -> DataConfig:
-    """The held-out prompts as a data section: eval.source, eval.split and eval.prompt_key, data's prompt limit."""
-    e = cfg.eval
-    return dataclasses.replace(cfg.data, source=e.source, split=e.split,
-                               prompt_key=e.prompt_key or cfg.data.prompt_key, shuffle=False)
-
 
 def eval_subset(n: int, max_prompts: int | None, seed: int) -> list[int]:
     """Indices of the prompts evaluated: all, or a fixed seeded subset of max_prompts (the same at every step)."""
@@ -88,7 +81,7 @@ class Evaluator:
     def __init__(self, cfg: JobConfig, sampler: Sampler, run: RunDir, source: str = "train"):
         self.cfg, self.sampler, self.run, self.source = cfg, sampler, run, source
         e = cfg.eval
-        self.dataset = PromptDataset(eval_data_config(cfg), sampler.tokenizer, cfg.seed, section="eval")
+        self.dataset = PromptDataset(cfg.eval_data, sampler.tokenizer, cfg.seed, section="eval")
         self.indices = eval_subset(len(self.dataset), e.max_prompts, cfg.seed)
         if e.reward:
             rw = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))
