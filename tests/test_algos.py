@@ -499,11 +499,11 @@ def test_dual_clip_by_hand():
     loss.sum().backward()
     close(log_ratio.grad, [0.0, 2.0, 0.0])   # d(-A r)/d log r = -A r = 2 for the middle token only
     close(ppo_clip_loss(torch.log(T([5.0])), None, T([-1.0]), 0.2, 0.2, None)[0], [5.0])  # off: unbounded
-    # Through policy_loss and the config's default (verl's 3.0): mean of (3 + 2 - 1.2) over 3 tokens.
+    # Through the config (off unless set; verl's 3.0 here) and policy_loss: mean of (3 + 2 - 1.2) over 3 tokens.
     from hpc_rl.config import load_dict
 
-    a = load_dict({"model": {"path": "m"}}).algorithm
-    assert a.clip_ratio_c == 3.0
+    assert load_dict({"model": {"path": "m"}}).algorithm.clip_ratio_c is None
+    a = load_dict({"model": {"path": "m"}, "algorithm": {"clip_ratio_c": 3.0}}).algorithm
     out, stats = policy_loss(torch.log(T([[5.0, 2.0, 5.0]])), torch.zeros(1, 3), T([[-1.0, -1.0, 1.0]]), T([[1, 1, 1]]),
                              0.2, clip_ratio_c=a.clip_ratio_c)
     close(out, (3.0 + 2.0 - 1.2) / 3)

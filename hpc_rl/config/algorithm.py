@@ -74,7 +74,9 @@ class AlgorithmConfig:
     clip_ratio_high: float | None = None
     # Dual-clip PPO (https://arxiv.org/abs/1912.09729, verl's clip_ratio_c): for a negative advantage the token's loss
     # is at most -A * clip_ratio_c, so a ratio far above 1 cannot push without bound; null: off. Policy loss ppo only.
-    clip_ratio_c: float | None = 3.0
+    # verl applies 3.0 always; here it is off unless set, so that a job keeps its results across versions (3.0 changes
+    # the LoRA toy's samples from its second step).
+    clip_ratio_c: float | None = None
     # Clip of the critic's value change per update (PPO); null: no clipping.
     value_clip: float | None = 0.2
     # Weight of the value loss (PPO).
