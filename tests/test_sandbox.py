@@ -268,7 +268,9 @@ def test_hostile_code_corpus_in_a_run(tmp_path):
     assert received == []
     run = only_run(tmp_path)
     rows = [json.loads(x) for x in log.read_text().splitlines()]
-    assert len(rows) == 2 * 16 and {x["case"] for x in rows} == set(HOSTILE_NAMES)
+    # Training (2 steps x 16 episodes) and the job's evaluations (before the first step and after the last, 32 held-out
+    # prompts each) all run the corpus.
+    assert len(rows) == 2 * 16 + 2 * 32 and {x["case"] for x in rows} == set(HOSTILE_NAMES)
     token = (run / "token").read_text()
     for x in rows:
         obs = x["observation"]
