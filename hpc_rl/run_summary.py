@@ -21,14 +21,14 @@ def summary_lines(run: RunDir, elapsed_s: float | None = None) -> list[str]:
         lines.append(f"summary: {rows[-1]['step']} steps{took}; reward {rows[0]['reward_mean']:.3f} at step "
                      f"{rows[0]['step']}, {mean:.3f} over the last {len(last)}")
     rec = best_record(run)
+    ck = best_checkpoint(run) if rec is not None else None
     if rec is not None:
-        ck = best_checkpoint(run)
         where = (f"{run.root / 'checkpoints' / 'best'} -> {ck.name}" if ck is not None else
                  "the initial policy (model.path)" if int(rec["step"]) == 0 else "no checkpoint of it is left")
         lines.append(f"summary: best {rec['metric']} {rec['value']:.4f} at step {rec['step']} ({where})")
     latest = find_latest(run)
     if latest is not None:
-        best = " [--best]" if rec is not None and best_checkpoint(run) is not None else ""
+        best = " [--best]" if ck is not None else ""
         lines.append(f"summary: export with `hpc-rl export {run.root} OUT/{best}` ({latest.name} by default); "
                      f"curves: `hpc-rl plot {run.root}`")
     else:

@@ -93,6 +93,7 @@ def test_micro_batch_weight_by_hand():
     assert micro_batch_weight(mini[:2], mini, "token_mean") == pytest.approx(3 / 6)
     assert micro_batch_weight(mini[2:], mini, "seq_mean") == pytest.approx(1 / 3)
     assert micro_batch_weight(mini[2:3], mini[2:3], "token_mean") == 0.0
+    assert micro_batch_weight(mini[:2], mini, "token_sum") == 1.0 and micro_batch_weight(mini[:2], mini, "token_sum", 2) == 2.0
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])

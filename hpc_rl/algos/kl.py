@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from .registry import KL_ESTIMATOR_NAMES
+from .registry import KL_CLAMP_DEFAULT, KL_ESTIMATOR_NAMES
 from .utils import LOG_RATIO_CLAMP
 
 KL_KINDS = KL_ESTIMATOR_NAMES
-# verl's clamp of the k3 estimate (low_var_kl): a log-ratio of 5 would otherwise put ~143 on one token.
-KL_CLAMP_DEFAULT = 10.0
 
 
 def k3(x: torch.Tensor) -> torch.Tensor:

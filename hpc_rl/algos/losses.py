@@ -13,7 +13,7 @@ from .utils import LOG_RATIO_CLAMP, masked_mean
 
 AGG_MODES = tuple(LOSS_AGGREGATIONS)
 # Modes that count each sequence once (their micro-batch share is a share of rows, not of tokens).
-_PER_SEQUENCE = ("seq_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+_PER_SEQUENCE = tuple(m for m in AGG_MODES if m.startswith("seq_"))
 
 
 def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean", norm: float | None = None) -> torch.Tensor:
@@ -44,19 +44,21 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mea
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
 
 
-def micro_batch_weight(micro_mask: torch.Tensor, mini_batch_mask: torch.Tensor, mode: str = "token_mean") -> float:
+def micro_batch_weight(micro_mask: torch.Tensor, mini_batch_mask: torch.Tensor, mode: str = "token_mean",
+                       ranks: int = 1) -> float:
     """The factor that turns a micro-batch's aggregate into its share of the mini-batch's aggregate.
 
     token_mean: its valid tokens / the mini-batch's; the per-sequence modes: its rows with tokens / the mini-batch's;
-    token_sum: 1 (sums add up). The weighted micro-batch losses then sum to the loss of the whole mini-batch however
-    it is cut (as verl's loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
+    token_sum: `ranks` (sums add up, and DeepSpeed averages the data-parallel ranks' gradients: this makes it their
+    sum). The weighted micro-batch losses then sum to the loss of the whole mini-batch however it is cut (as verl's
+    loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
     """
     if mode == "token_mean":
         part, whole = micro_mask.sum(), mini_batch_mask.sum()
     elif mode in _PER_SEQUENCE:
         part, whole = (micro_mask != 0).any(-1).sum(), (mini_batch_mask != 0).any(-1).sum()
     elif mode == "token_sum":
-        return 1.0
+        return float(ranks)
     else:
         raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
     return float(part) / float(whole) if float(whole) > 0 else 0.0

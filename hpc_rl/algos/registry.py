@@ -82,3 +82,5 @@ LOSS_AGGREGATIONS: dict[str, str] = {
 # k3+, abs+) keeps the estimator's value and takes k2's gradient (verl's straight-through form).
 KL_ESTIMATORS: dict[str, str] = {"k1": "kl", "k2": "mse", "k3": "low_var_kl", "abs": "abs"}
 KL_ESTIMATOR_NAMES = tuple(KL_ESTIMATORS) + tuple(f"{k}+" for k in KL_ESTIMATORS)
+# verl's clamp of the k3 estimate (low_var_kl): a log-ratio of 5 would otherwise put ~143 on one token.
+KL_CLAMP_DEFAULT = 10.0

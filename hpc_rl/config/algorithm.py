@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from ..algos.registry import ALGORITHMS, KL_ESTIMATOR_NAMES, LOSS_AGGREGATIONS, POLICY_LOSSES, algorithm
+from ..algos.registry import ALGORITHMS, KL_CLAMP_DEFAULT, KL_ESTIMATOR_NAMES, LOSS_AGGREGATIONS, POLICY_LOSSES, algorithm
 
 if TYPE_CHECKING:
     from .job import JobConfig
@@ -21,7 +21,7 @@ class KLConfig:
     # low_var_kl, abs). A trailing "+" (k3+): the estimator's value with k2's gradient, the unbiased one (verl's).
     estimator: KLEstimatorName = "k3"
     # k3's per-token value is at most this (verl clamps low_var_kl at 10); null: no clamp.
-    clamp: float | None = 10.0
+    clamp: float | None = KL_CLAMP_DEFAULT
     # Put the KL into the per-token rewards (true) or add it to the loss (false); null: the algorithm's
     # default (PPO and REINFORCE++: rewards; GRPO and RLOO: loss, the only place they allow).
     in_reward: bool | None = None

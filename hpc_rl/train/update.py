@@ -93,9 +93,7 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                     engine.set_gradient_accumulation_boundary(j == len(mbs) - 1)
                 idx, w = mb.rows, mb.response_width
                 mask = mb.batch.response_mask
-                weight = micro_batch_weight(mask, mini_mask, a.loss_agg)
-                if a.loss_agg == "token_sum":  # DeepSpeed averages the ranks' gradients: make it their sum
-                    weight *= dist.world_size
+                weight = micro_batch_weight(mask, mini_mask, a.loss_agg, dist.world_size)
                 logp, ent = policy_forward(t.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
                 if fill_old:  # before this mini-batch's (only) optimizer step: these are the old log-probs
                     old_lp[idx, :w] = logp.detach()
