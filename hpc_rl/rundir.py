@@ -7,10 +7,12 @@ model-init/ (a tiny model built for this run). Also: finding runs and sweeps by 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -176,6 +178,19 @@ def read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+@contextmanager
+def file_lock(path: Path):
+    """Hold an exclusive lock on `path` (created if missing): processes of one run or sweep, on any node of the
+    shared filesystem, that read-then-create the same record take turns."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def new_stamped_dir(output_dir: str | Path, name: str, fix: str = "choose a writable output_dir") -> Path:

@@ -34,7 +34,7 @@ from pathlib import Path
 from .config import JobConfig
 from .errors import ConfigError
 from .metrics import metric_step
-from .rundir import RunDir, read_json, write_json_atomic
+from .rundir import RunDir, file_lock, read_json, write_json_atomic
 
 log = logging.getLogger("hpc_rl")
 
@@ -310,14 +310,7 @@ class _Mlflow:
             log.info("MLflow: run %s resumed in %s", self.run_id, uri)
             return held
         name = self.cfg.logging.mlflow.experiment or (self.info.sweep["dir"] if self.info.sweep else self.cfg.name)
-        exp = self.client.get_experiment_by_name(name)
-        if exp is None:
-            try:
-                exp_id = self.client.create_experiment(name)
-            except Exception:  # another point of the sweep created it first
-                exp_id = self.client.get_experiment_by_name(name).experiment_id
-        else:
-            exp_id = exp.experiment_id
+        exp_id = self._experiment_id(uri, name)
         tags = {"hpc_rl.run_dir": str(self.run.root)}
         if self.info.sweep:
             tags.update({"sweep": self.info.sweep["dir"], "sweep.point": self.info.sweep["label"]})
@@ -333,6 +326,22 @@ class _Mlflow:
         self.client.log_artifact(self.run_id, str(self.run.job_yaml))
         log.info("MLflow: run %s in experiment %s at %s", self.run_id, name, uri)
         return 0
+
+    def _experiment_id(self, uri: str, name: str) -> str:
+        """The experiment `name`, created if missing. A folder store does not make names unique: two points of a
+        sweep starting together would each create one (and one point's run would be missing from the experiment the
+        sweep reads), so they take turns under a lock in the store. A tracking server refuses the second create."""
+        from mlflow.utils.file_utils import local_file_uri_to_path
+
+        with (file_lock(Path(local_file_uri_to_path(uri)) / ".hpc-rl-experiments.lock") if uri.startswith("file:")
+              else contextlib.nullcontext()):
+            exp = self.client.get_experiment_by_name(name)
+            if exp is not None:
+                return exp.experiment_id
+            try:
+                return self.client.create_experiment(name)
+            except Exception:  # a tracking server: another point of the sweep created it first
+                return self.client.get_experiment_by_name(name).experiment_id
 
     def log(self, step: int, metrics: dict, t: float) -> None:
         from mlflow.entities import Metric

@@ -91,6 +91,38 @@ def test_wandb_files_read_back_what_the_sdk_wrote_and_stop_at_a_cut(tmp_path, mo
     assert [h["_step"] for h in tracking.wandb_history(dirs[0])] == [1]
 
 
+def _start_mlflow_point(sweep_root: str, index: int, barrier) -> None:
+    from hpc_rl import rundir
+
+    run = rundir.create(Path(sweep_root) / "points", f"{index:02d}")
+    info = tracking.RunInfo(run.name, {}, {"dir": "kl-sweep", "path": sweep_root, "index": index, "label": str(index)})
+    cfg = config.load(TOY)
+    run.job_yaml.write_text(TOY.read_text())
+    barrier.wait(timeout=60)
+    tracking._Mlflow(cfg, run, info).start({})
+
+
+def test_points_of_a_sweep_starting_together_share_one_mlflow_experiment(tmp_path):
+    """A folder store does not make experiment names unique: points that start at once once created one experiment
+    each, and the sweep's experiment missed runs (seen in CI: 3 of 4)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    tracking.mlflow_client((tmp_path / "mlruns").as_uri())  # the points' imports are done: they race to create
+    n = 6
+    barrier = ctx.Barrier(n)
+    procs = [ctx.Process(target=_start_mlflow_point, args=(str(tmp_path), i, barrier)) for i in range(n)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0] * n
+    client = tracking.mlflow_client((tmp_path / "mlruns").as_uri())
+    exps = [e for e in client.search_experiments() if e.name == "kl-sweep"]
+    assert len(exps) == 1, [e.experiment_id for e in exps]
+    assert len(client.search_runs([exps[0].experiment_id])) == n
+
+
 def test_eval_metrics_reach_the_trackers_at_the_step_they_evaluated(tmp_path, monkeypatch):
     """An evaluation joins the metrics row of a later step (async rollouts): W&B gets it in that row with eval/step
     (its charts of eval/* use it as their x axis), MLflow at the evaluated step, with '@' spelled _at_ (MLflow

@@ -11,13 +11,11 @@ removed, preempted (then requeued, if slurm.requeue) or ends with the run (done.
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import json
 import logging
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import requests
@@ -30,7 +28,7 @@ from ..logs import setup_logging
 from ..netutil import auth_session
 from ..rollout.client.pool import registration_problem
 from ..rollout.wire.protocol import DRAIN_S
-from ..rundir import RunDir, find, read_json, write_json_atomic
+from ..rundir import RunDir, file_lock, find, read_json, write_json_atomic
 from . import slurmq
 from .env import prepare_node_env
 from .render import executor_params, submitit_command
@@ -102,15 +100,9 @@ def read_jobs(run: RunDir) -> list[dict]:
     return [j for j in jobs if isinstance(j, dict)] if isinstance(jobs, list) else []
 
 
-@contextmanager
 def _jobs_locked(run: RunDir):
     """Two `rollout add` at once must not take the same indexes."""
-    with open(run.root / (ROLLOUT_JOBS_JSON + ".lock"), "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return file_lock(run.root / (ROLLOUT_JOBS_JSON + ".lock"))
 
 
 def next_first_index(run: RunDir, cfg: JobConfig) -> int:
