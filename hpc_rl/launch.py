@@ -23,8 +23,8 @@ from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
 from .models.lora import check_targets as check_lora_targets
-from .models.tiny import build_tiny_model
-from .models.tiny_reward import build_tiny_reward_model
+from .models.tiny import cached_tiny_model
+from .models.tiny_reward import cached_tiny_reward_model
 from .nccl import nccl_env
 from .netutil import advertise_host, free_port
 from .orchestrator.evaluation import check_held_out
@@ -64,15 +64,16 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     try:
         if cfg.model.tiny is not None:
             with tracking.deepspeed_without_mlflow():  # transformers imports DeepSpeed while it builds the model
-                build_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
-                                 chat_template=toy_chat_template(cfg.data.source))
+                cached_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
+                                  chat_template=toy_chat_template(cfg.data.source))
             cfg.model.path = str(run.model_init)
             cfg.model.tiny = None
         else:
             cfg.model.path = str(Path(cfg.model.path).resolve()) if Path(cfg.model.path).exists() else cfg.model.path
         if rm is not None and rm.tiny is not None:
-            log.info("training the tiny reward model of %s (Bradley-Terry on synthetic preference pairs)", rm.tiny)
-            build_tiny_reward_model(rm.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.reward_model_init)
+            log.info("tiny reward model of %s: Bradley-Terry on synthetic preference pairs, trained once per cache "
+                     "(HPC_RL_CACHE)", rm.tiny)
+            cached_tiny_reward_model(rm.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.reward_model_init)
             rm.path, rm.tiny = str(run.reward_model_init), None
         elif rm is not None:
             rm.path = str(Path(rm.path).resolve())

@@ -60,15 +60,15 @@ def tiny_model(tmp_path_factory):
     """A tiny Qwen2 (head_dim 64) + byte-level BPE tokenizer trained on the toy task, as an HF folder."""
     from hpc_rl.config import TinyModelConfig
     from hpc_rl.data.toy import repeat_digit_corpus
-    from hpc_rl.models.tiny import build_tiny_model
+    from hpc_rl.models.tiny import cached_tiny_model
 
-    return build_tiny_model(TinyModelConfig(), repeat_digit_corpus(), tmp_path_factory.mktemp("tiny") / "model")
+    return cached_tiny_model(TinyModelConfig(), repeat_digit_corpus(), tmp_path_factory.mktemp("tiny") / "model")
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_model(tmp_path_factory):
     """The toy task's tiny Bradley-Terry reward model (Qwen2ForSequenceClassification, same tokenizer as tiny_model)."""
     from hpc_rl.data.toy import repeat_digit_corpus
-    from hpc_rl.models.tiny_reward import build_tiny_reward_model
+    from hpc_rl.models.tiny_reward import cached_tiny_reward_model
 
-    return build_tiny_reward_model("toy:repeat_digit", repeat_digit_corpus(), tmp_path_factory.mktemp("rm") / "rm")
+    return cached_tiny_reward_model("toy:repeat_digit", repeat_digit_corpus(), tmp_path_factory.mktemp("rm") / "rm")

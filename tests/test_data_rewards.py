@@ -201,6 +201,40 @@ def test_same_inputs_build_the_same_model(tmp_path):
     assert (a / "tokenizer.json").read_text() == (b / "tokenizer.json").read_text()
 
 
+def test_the_cache_gives_the_fresh_build_and_builds_each_input_once(tmp_path, monkeypatch):
+    """A run copies its tiny model from HPC_RL_CACHE: byte-identical to a fresh build; the second run with the same
+    inputs does not build; other inputs build anew; `off` or a cache that cannot be written builds in place."""
+    from hpc_rl.data.toy import repeat_digit_corpus
+    from hpc_rl.models import tiny
+
+    corpus = repeat_digit_corpus()
+    monkeypatch.setenv("HPC_RL_CACHE", str(tmp_path / "cache"))
+    fresh = tiny.build_tiny_model(TinyModelConfig(), corpus, tmp_path / "fresh")
+    first = tiny.cached_tiny_model(TinyModelConfig(), corpus, tmp_path / "first")
+    files = sorted(p.name for p in fresh.iterdir())
+    assert files == sorted(p.name for p in first.iterdir()) and "model.safetensors" in files
+    assert all((fresh / f).read_bytes() == (first / f).read_bytes() for f in files)
+    assert len(list((tmp_path / "cache" / "tiny").iterdir())) == 1
+
+    built = []
+    real = tiny.build_tiny_model
+    monkeypatch.setattr(tiny, "build_tiny_model", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    again = tiny.cached_tiny_model(TinyModelConfig(), corpus, tmp_path / "again")
+    assert built == [] and (again / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+    other = tiny.cached_tiny_model(TinyModelConfig(init_seed=7), corpus, tmp_path / "other")
+    assert len(built) == 1 and (other / "model.safetensors").read_bytes() != (fresh / "model.safetensors").read_bytes()
+    assert len(list((tmp_path / "cache" / "tiny").iterdir())) == 2
+
+    monkeypatch.setenv("HPC_RL_CACHE", "off")
+    tiny.cached_tiny_model(TinyModelConfig(), corpus, tmp_path / "off")
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("HPC_RL_CACHE", str(tmp_path / "not-a-folder"))
+    tiny.cached_tiny_model(TinyModelConfig(), corpus, tmp_path / "unwritable")
+    assert len(built) == 3
+    for d in ("off", "unwritable"):
+        assert (tmp_path / d / "model.safetensors").read_bytes() == (fresh / "model.safetensors").read_bytes()
+
+
 def test_missing_pad_token_uses_eos_and_warns_once(tiny_model, tmp_path, caplog):
     import shutil
 

@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from ..config import TinyModelConfig
@@ -48,15 +48,6 @@ def model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: in
     if tiny.arch == "qwen2":
         return Qwen2Config(**common)
     return LlamaConfig(**common)
-
-
-def fingerprint(tiny: TinyModelConfig, corpus: list[str]) -> str:
-    """Stable id of (config, corpus): the same inputs always build the same folder."""
-    h = hashlib.sha256(json.dumps(tiny.__dict__, sort_keys=True).encode())
-    for line in corpus:
-        h.update(line.encode())
-        h.update(b"\n")
-    return h.hexdigest()[:16]
 
 
 def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str | Path,
@@ -104,6 +95,54 @@ def atomic_folder(out: Path):
         raise
 
 
-def tiny_cache_dir() -> Path:
-    """Where tiny models are cached: $HPC_RL_CACHE or ~/.cache/hpc-rl/tiny."""
-    return Path(os.environ.get("HPC_RL_CACHE", Path.home() / ".cache" / "hpc-rl")) / "tiny"
+def cache_dir() -> Path | None:
+    """Where built tiny models are kept: $HPC_RL_CACHE/tiny (default ~/.cache/hpc-rl/tiny); None when
+    HPC_RL_CACHE=off."""
+    root = os.environ.get("HPC_RL_CACHE", str(Path.home() / ".cache" / "hpc-rl"))
+    return None if root.strip().lower() in ("off", "") else Path(root) / "tiny"
+
+
+def _fingerprint(kind: str, key: dict) -> str:
+    """The cache name of a build: its inputs, the libraries whose numbers it depends on (random init, tokenizer
+    training) and the source of the builders, so that a change to any of them builds anew."""
+    from importlib.metadata import version
+
+    h = hashlib.sha256(json.dumps({"kind": kind, **key}, sort_keys=True, default=str).encode())
+    for pkg in ("torch", "transformers", "tokenizers"):
+        h.update(f"{pkg}={version(pkg)}".encode())
+    for src in ("tiny.py", "tiny_reward.py"):
+        h.update((Path(__file__).parent / src).read_bytes())
+    return f"{kind}-{h.hexdigest()[:20]}"
+
+
+def build_cached(kind: str, key: dict, out_dir: str | Path, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)` once per `key` into the cache, then a copy of it at `out_dir` (atomically). A toy run otherwise
+    spends seconds at every start training the same tokenizer (and reward model) and initialising the same weights;
+    the cached folder is byte-identical to a fresh build. A cache that cannot be written builds at `out_dir`."""
+    out = Path(out_dir)
+    root = cache_dir()
+    if root is None:
+        return build(out)
+    cached = root / _fingerprint(kind, key)
+    if not (cached / "config.json").is_file():
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return build(out)
+        if not os.access(root, os.W_OK):
+            return build(out)
+        build(cached)
+    with atomic_folder(out) as tmp:
+        for f in cached.iterdir():
+            shutil.copy2(f, tmp / f.name)
+    return out
+
+
+def cached_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str | Path,
+                      chat_template: str | None = None) -> Path:
+    """build_tiny_model through the cache."""
+    import dataclasses
+
+    corpus = list(corpus)
+    return build_cached("model", {"tiny": dataclasses.asdict(tiny), "corpus": corpus, "template": chat_template},
+                        out_dir, lambda out: build_tiny_model(tiny, corpus, out, chat_template=chat_template))

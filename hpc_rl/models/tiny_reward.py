@@ -144,3 +144,12 @@ def build_tiny_reward_model(task: str, corpus: list[str], out_dir: str | Path, s
         tok = AutoTokenizer.from_pretrained(tmp)
         _train(tok, cfg, seed).save_pretrained(tmp)
     return out
+
+
+def cached_tiny_reward_model(task: str, corpus: list[str], out_dir: str | Path, seed: int = 0) -> Path:
+    """build_tiny_reward_model through the cache (its ~400 training steps take 15-100 s at every run's start)."""
+    from .tiny import build_cached
+
+    corpus = list(corpus)
+    return build_cached("reward-model", {"task": task, "corpus": corpus, "seed": seed}, out_dir,
+                        lambda out: build_tiny_reward_model(task, corpus, out, seed))

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import set_seed
 
 from .. import checkpoints
 from ..algos.correction import truncated_is_weights
@@ -29,7 +28,7 @@ from ..orchestrator.batch import RolloutBatch
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
 from ..rundir import RunDir
 from . import checkpoint
-from .distributed import DistInfo, all_gather_floats, all_reduce_scalar, broadcast_object, resolve_device_kind
+from .distributed import DistInfo, all_gather_floats, all_reduce_scalar, broadcast_object, resolve_device_kind, seed_everything
 from .ds_config import batch_sizes
 from .engines import (
     adapter_state_dict,
@@ -83,7 +82,7 @@ class Trainer:
         t0 = time.time()
         # Weights created at load (the critic's value head, any missing head) come from the global RNGs:
         # seeded alike on every rank, a run is reproducible and a resumed PPO run builds the same critic.
-        set_seed(cfg.seed)
+        seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         self.actor = build_actor(cfg, dist.world_size, self.device_kind)
         self.critic = build_critic(cfg, dist.world_size, self.device_kind) if cfg.algorithm.uses_critic else None
