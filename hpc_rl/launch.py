@@ -166,6 +166,11 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     env.setdefault("HPC_RL_ROLLOUT_THREADS", str(cpu_threads(cfg, 1, "rollout", cpus)))
+    if cfg.rollout.engine == "hf":
+        # OpenMP's threads otherwise spin after every parallel region, taking the cores the trainer ranks (or other
+        # jobs on a shared node) need: two toy runs on 2 cores generate 4x faster (0.9 -> 0.2 s a step) and step
+        # 17% faster with idle threads asleep; alone the same. vLLM's CPU worker pins its threads and is left as is.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if cpus:  # vLLM's CPU worker binds its threads to the cores it was given
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
     run.logs.mkdir(parents=True, exist_ok=True)
@@ -291,6 +296,7 @@ def start_trainer_ranks(run: RunDir, cfg: JobConfig, node_rank: int, master_addr
         env.setdefault("OMP_NUM_THREADS", "1")
         if cfg.trainer.device == "cpu":  # DeepSpeed would probe for an accelerator and warn on every rank
             env.setdefault("DS_ACCELERATOR", "cpu")
+            env.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see start_rollout_server
         env.setdefault("HPC_RL_TRAINER_THREADS", str(cpu_threads(cfg, ppn, "trainer", cpus)))
         cmd = [sys.executable, "-m", "hpc_rl.loop", "--run-dir", str(run.root)]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
