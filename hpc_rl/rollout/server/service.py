@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import math
@@ -24,15 +23,14 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ...errors import HpcRlError
+from ...errors import HpcRlError, first_line
 from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
-from ..wire import protocol
+from ..wire import openai_api, protocol
 from ..wire.protocol import DRAIN_S, BadRequest, Busy, Draining, PolicyNotFinite
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
@@ -122,10 +120,12 @@ class RolloutService:
     """Engine + policy version + staged weight buckets + counters; generations and weight loads pass one gate."""
 
     def __init__(self, engine: Engine, run: RunDir, model_path: str, limits: protocol.RequestLimits,
-                 vocab: int | None, trust_remote_code: bool = False, max_in_flight: int = 256):
+                 vocab: int | None, trust_remote_code: bool = False, max_in_flight: int = 256,
+                 openai_defaults: openai_api.Defaults | None = None):
         self.engine = engine
+        self.openai_defaults = openai_defaults or openai_api.Defaults()
         self.trust_remote_code = trust_remote_code
-        self._tokenizer = None  # loaded on the first /v1/completions (the trainer sends token ids)
+        self._tokenizer = None  # loaded on the first /v1/ request (the trainer sends token ids)
         self._tok_lock = threading.Lock()
         self.run = run
         self.model_path = model_path
@@ -242,37 +242,49 @@ class RolloutService:
             return self._tokenizer
 
     async def completions(self, body, cancel: threading.Event | None = None) -> dict:
-        """OpenAI-compatible text completion (non-streaming) for people poking a running server."""
+        """OpenAI-compatible text completion (non-streaming): wire/openai_api.py."""
         self._take_work()
         tok = await asyncio.to_thread(self.tokenizer)
         # Tokenizing a long text takes a while: not on the event loop, which keeps serving.
-        prompts, params, want_lp = await asyncio.to_thread(
-            protocol.parse_completions, body, lambda text: tok(text, add_special_tokens=False)["input_ids"],
-            self.vocab, self.limits)
+        req = await asyncio.to_thread(
+            openai_api.parse_completions, body, lambda text: tok(text, add_special_tokens=False)["input_ids"],
+            self.vocab, self.limits, self.openai_defaults)
+        return await self._openai(req, tok, openai_api.completion_response, cancel)
+
+    async def chat_completions(self, body, cancel: threading.Event | None = None) -> dict:
+        """OpenAI-compatible chat completion (non-streaming): the tokenizer's chat template, with the generation
+        prompt, renders the messages as the run's prompts are rendered."""
+        self._take_work()
+        tok = await asyncio.to_thread(self.tokenizer)
+
+        def render(messages: list[dict]) -> list[int]:
+            if not getattr(tok, "chat_template", None):
+                raise BadRequest(f"messages: the model's tokenizer ({self.model_path}) has no chat template; send "
+                                 "text to /v1/completions or give the tokenizer a chat_template")
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # the template's own checks (raise_exception), or jinja failing on the input
+                raise BadRequest(f"messages: the model's chat template refused them: {first_line(e)}") from None
+            return tok(text, add_special_tokens=False)["input_ids"]
+
+        req = await asyncio.to_thread(openai_api.parse_chat, body, render, self.vocab, self.limits,
+                                      self.openai_defaults)
+        return await self._openai(req, tok, openai_api.chat_response, cancel)
+
+    async def _openai(self, req, tok, respond, cancel) -> dict:
         if tok.eos_token_id is not None:
-            params.stop_token_ids = [tok.eos_token_id]
+            req.params.stop_token_ids = [tok.eos_token_id]
         with self._admitted():
             async with self.weight_gate.generating():
-                outputs = await self._generate(prompts, params, cancel)
+                outputs = await self._generate(req.prompts, req.params, cancel)
                 version = self.policy_version
-        choices, ntok = [], 0
-        for row in outputs:
-            for s in row:
-                ntok += len(s.token_ids)
-                c = {"index": len(choices), "text": tok.decode(s.token_ids, skip_special_tokens=True),
-                     "finish_reason": s.finish_reason, "logprobs": None}
-                if want_lp:
-                    pieces = [tok.decode([t]) for t in s.token_ids]
-                    offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=0)) if pieces else []
-                    c["logprobs"] = {"tokens": pieces, "token_logprobs": s.logprobs, "top_logprobs": None,
-                                     "text_offset": offsets}
-                choices.append(c)
         self.count("generate_requests")
-        self.count("generated_tokens", ntok)
-        nprompt = sum(len(p) for p in prompts)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_path, "choices": choices, "policy_version": version,
-                "usage": {"prompt_tokens": nprompt, "completion_tokens": ntok, "total_tokens": nprompt + ntok}}
+        self.count("generated_tokens", sum(len(s.token_ids) for row in outputs for s in row))
+        return respond(req, outputs, lambda ids: tok.decode(ids, skip_special_tokens=True), self.model_path, version)
+
+    def models(self) -> dict:
+        return openai_api.models_response(self.model_path, self.policy_version, self.limits.max_model_len,
+                                          self.started)
 
     async def logprobs(self, body, cancel: threading.Event | None = None) -> dict:
         toks, lens = protocol.parse_logprobs(body, self.vocab, self.limits)
@@ -389,7 +401,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         engine = make_engine(cfg, device)
         service = RolloutService(engine, run, str(cfg.model.path), protocol.RequestLimits.of(cfg.rollout),
                                  _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code,
-                                 cfg.rollout.max_requests_in_flight)
+                                 cfg.rollout.max_requests_in_flight, openai_api.Defaults.of(cfg.rollout))
         register_server_routes(service)  # /collective/*: the weight-sync group's server side
         if cfg.reward.on_rollout_servers:
             from ...rewards.serving import register_score_route

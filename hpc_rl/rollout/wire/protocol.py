@@ -98,7 +98,7 @@ def _check_json(obj: Any) -> None:
         if isinstance(value, float) and not math.isfinite(value):  # 1e999 parses as inf
             raise BadRequest(f"{path}: {value} is out of range; send a finite number")
         if isinstance(value, str):
-            _check_text(value, path)
+            check_text(value, path)
         if not isinstance(value, (dict, list)):
             continue
         if depth > MAX_JSON_DEPTH:
@@ -108,12 +108,12 @@ def _check_json(obj: Any) -> None:
             if type(v) is int and not is_dict:  # the bulk of a body (token ids): nothing to check
                 continue
             if is_dict:
-                _check_text(k, f"{path} (a key)")  # before the key is quoted in any path
+                check_text(k, f"{path} (a key)")  # before the key is quoted in any path
             child = (k if path == "body" else f"{path}.{k}") if is_dict else f"{path}[{k}]"
             stack.append((v, child, depth + 1))
 
 
-def _check_text(text: str, path: str) -> None:
+def check_text(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -137,7 +137,7 @@ class Draining(Exception):
 MAX_SEED = 2**63 - 2**20
 
 
-def _int(v: Any, field: str, lo: int | None = None, hi: int | None = None) -> int:
+def int_field(v: Any, field: str, lo: int | None = None, hi: int | None = None) -> int:
     if not isinstance(v, int) or isinstance(v, bool):
         raise BadRequest(f"{field}: expected an integer, got {type(v).__name__}")
     if lo is not None and v < lo:
@@ -169,7 +169,7 @@ def _token_lists(v: Any, field: str, vocab: int | None) -> list[list[int]]:
     return out
 
 
-def _obj(body: Any) -> dict:
+def json_object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise BadRequest("body: expected a JSON object")
     return body
@@ -177,7 +177,7 @@ def _obj(body: Any) -> dict:
 
 def parse_generate(body: Any, vocab: int | None, limits: RequestLimits) -> tuple[list[list[int]], SamplingParams]:
     """Validate a /generate body against the server's limits (a request that can never be served is named)."""
-    body = _obj(body)
+    body = json_object(body)
     known = {"prompt_token_ids", "n", "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed",
              "seeds"}
     extra = sorted(set(body) - known)
@@ -188,12 +188,12 @@ def parse_generate(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     prompts = _token_lists(body["prompt_token_ids"], "prompt_token_ids", vocab)
     d = SamplingParams()
     p = SamplingParams(
-        n=_int(body.get("n", d.n), "n", 1),
-        max_new_tokens=_int(body.get("max_new_tokens", d.max_new_tokens), "max_new_tokens", 1),
+        n=int_field(body.get("n", d.n), "n", 1),
+        max_new_tokens=int_field(body.get("max_new_tokens", d.max_new_tokens), "max_new_tokens", 1),
         temperature=_float(body.get("temperature", d.temperature), "temperature"),
         top_p=_float(body.get("top_p", d.top_p), "top_p"),
-        top_k=_int(body.get("top_k", d.top_k), "top_k"),
-        seed=None if body.get("seed") is None else _int(body.get("seed"), "seed", 0, MAX_SEED),
+        top_k=int_field(body.get("top_k", d.top_k), "top_k"),
+        seed=None if body.get("seed") is None else int_field(body.get("seed"), "seed", 0, MAX_SEED),
     )
     if p.temperature < 0:
         raise BadRequest(f"temperature: must be >= 0 (0 = greedy), got {p.temperature}")
@@ -204,19 +204,19 @@ def parse_generate(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     stops = body.get("stop_token_ids", [])
     if not isinstance(stops, list):
         raise BadRequest("stop_token_ids: expected a list of integer token ids")
-    p.stop_token_ids = [_int(t, f"stop_token_ids[{i}]", 0, (vocab or 2**62) - 1) for i, t in enumerate(stops)]
+    p.stop_token_ids = [int_field(t, f"stop_token_ids[{i}]", 0, (vocab or 2**62) - 1) for i, t in enumerate(stops)]
     seeds = body.get("seeds")
     if seeds is not None:
         if not isinstance(seeds, list) or len(seeds) != len(prompts):
             raise BadRequest(f"seeds: expected a list of {len(prompts)} integer seeds, one per prompt, or null")
-        p.seeds = [_int(s, f"seeds[{i}]", 0, MAX_SEED) for i, s in enumerate(seeds)]
+        p.seeds = [int_field(s, f"seeds[{i}]", 0, MAX_SEED) for i, s in enumerate(seeds)]
     limits.check(prompts, p.n, p.max_new_tokens)
     return prompts, p
 
 
 def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple[list[list[int]], list[int]]:
     """Validate a /logprobs body: token_ids and prompt_lens with 1 <= prompt_len <= len(tokens)."""
-    body = _obj(body)
+    body = json_object(body)
     extra = sorted(set(body) - {"token_ids", "prompt_lens"})
     if extra:
         raise BadRequest(f"{extra[0]}: unknown field; /logprobs takes token_ids and prompt_lens")
@@ -232,7 +232,7 @@ def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     if not isinstance(lens, list) or len(lens) != len(toks):
         raise BadRequest("prompt_lens: expected a list of integers, one per token_ids row")
     for i, (t, pl) in enumerate(zip(toks, lens)):
-        _int(pl, f"prompt_lens[{i}]", 1)
+        int_field(pl, f"prompt_lens[{i}]", 1)
         if pl > len(t):
             raise BadRequest(f"prompt_lens[{i}]: {pl} exceeds the row's {len(t)} tokens")
         if len(t) > max_model_len:
@@ -241,11 +241,11 @@ def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
 
 
 def parse_load_file(body: Any) -> tuple[str, int]:
-    body = _obj(body)
+    body = json_object(body)
     path = body.get("path")
     if not isinstance(path, str) or not path:
         raise BadRequest("path: expected the path of a .safetensors file or folder under RUN/weights")
-    return path, _int(body.get("version"), "version", 0)
+    return path, int_field(body.get("version"), "version", 0)
 
 
 def params_to_json(prompts: list[list[int]], p: SamplingParams) -> dict:
@@ -265,62 +265,9 @@ def outputs_from_json(data: list[list[dict]]) -> list[list[SampleOut]]:
              for s in row] for row in data]
 
 
-# --------------------------------------------------------------------------- OpenAI-compatible /v1/completions
-
-# Fields OpenAI clients commonly send that change nothing here; anything else unknown is refused by name.
-_COMPLETIONS_IGNORED = {"model", "user", "stream", "echo"}
-_COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "n", "seed", "logprobs"}
-
-
-def parse_completions(body: Any, tokenize, vocab: int | None, limits: RequestLimits):
-    """Validate a /v1/completions body; returns (prompt token lists, SamplingParams, want_logprobs).
-
-    `prompt` is a string, a list of strings, a list of token ids, or a list of token-id lists;
-    `tokenize(str) -> list[int]` turns text into ids. logprobs: null (none) or 0 (the sampled
-    tokens' raw log-probs); top-k alternatives (logprobs > 0) are not served.
-    """
-    body = _obj(body)
-    extra = sorted(set(body) - _COMPLETIONS_FIELDS - _COMPLETIONS_IGNORED)
-    if extra:
-        raise BadRequest(f"{extra[0]}: not supported by this server; valid fields are "
-                         f"{', '.join(sorted(_COMPLETIONS_FIELDS))}")
-    if body.get("stream"):
-        raise BadRequest("stream: streaming is not supported; send stream: false")
-    if body.get("echo"):
-        raise BadRequest("echo: not supported; send echo: false")
-    if "prompt" not in body:
-        raise BadRequest("prompt: missing; send a string, a list of strings or a list of token ids")
-    p = body["prompt"]
-    if isinstance(p, str):
-        rows: Any = [tokenize(p)]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        rows = [tokenize(x) for x in p]
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        rows = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
-        rows = p
-    else:
-        raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists")
-    if any(not r for r in rows):
-        raise BadRequest("prompt: a prompt tokenizes to no tokens; send non-empty text")
-    gen = {"prompt_token_ids": rows, "max_new_tokens": body.get("max_tokens", 16), "n": body.get("n", 1),
-           "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0), "seed": body.get("seed")}
-    try:
-        prompts, params = parse_generate(gen, vocab, limits)
-    except BadRequest as e:  # name the OpenAI field, not the internal one
-        raise BadRequest(str(e).replace("max_new_tokens", "max_tokens").replace("prompt_token_ids", "prompt")) from None
-    lp = body.get("logprobs")
-    if lp is not None:
-        _int(lp, "logprobs", 0)
-        if lp > 0:
-            raise BadRequest(f"logprobs: {lp} top alternatives are not served; send 0 for the sampled tokens' "
-                             "log-probs or null")
-    return prompts, params, lp is not None
-
-
 def parse_score(body: Any, vocab: int | None, max_length: int) -> list[list[int]]:
     """Validate a /v1/score body: {"token_ids": [[...], ...]}, each at most max_length reward-model tokens."""
-    body = _obj(body)
+    body = json_object(body)
     extra = sorted(set(body) - {"token_ids"})
     if extra:
         raise BadRequest(f"{extra[0]}: unknown field; /v1/score takes token_ids (the reward model's token ids of "

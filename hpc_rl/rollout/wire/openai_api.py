@@ -1,0 +1,218 @@
+"""The OpenAI-compatible side of the rollout server: /v1/models, /v1/completions and /v1/chat/completions bodies in,
+responses out (non-streaming), as `openai.OpenAI(base_url=SERVER + "/v1", api_key=RUN_TOKEN)` sends and reads them.
+
+Any `model` string is accepted: a server serves the run's one policy. Sampling fields a request leaves out take the
+run's `rollout:` settings. `return_token_ids: true` (vLLM's convention) adds the prompt's and each choice's token ids,
+so an agent's caller can train on exactly the tokens the engine generated; `logprobs` returns the sampled tokens'
+raw log-probs (top alternatives are not served). Every response carries the `policy_version` that generated it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol import BadRequest, RequestLimits, check_text, int_field, json_object, parse_generate
+from .sampling import SampleOut, SamplingParams
+
+# Fields OpenAI clients send that change nothing here; anything else unknown is refused by name.
+_IGNORED = {"model", "user", "stream", "echo", "frequency_penalty", "presence_penalty", "metadata", "store",
+            "parallel_tool_calls", "service_tier"}
+_COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "logprobs",
+                       "return_token_ids"}
+_CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
+                "logprobs", "top_logprobs", "return_token_ids"}
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Defaults:
+    """The run's sampling settings: what a request that leaves a field out gets."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @classmethod
+    def of(cls, rollout) -> Defaults:
+        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+
+
+@dataclass
+class Request:
+    """A validated completion request: prompts as token ids and what the response should hold."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    logprobs: bool
+    token_ids: bool
+
+
+def _common(body: dict, fields: set[str], what: str) -> None:
+    extra = sorted(set(body) - fields - _IGNORED)
+    if extra:
+        raise BadRequest(f"{extra[0]}: not supported by {what}; valid fields are {', '.join(sorted(fields))}")
+    if body.get("stream"):
+        raise BadRequest("stream: streaming is not served; send stream: false (the SDK's default)")
+    if body.get("echo"):
+        raise BadRequest("echo: not supported; send echo: false")
+    if not isinstance(body.get("return_token_ids", False), bool):
+        raise BadRequest("return_token_ids: expected true or false")
+
+
+def _params(body: dict, prompts: list[list[int]], max_tokens: Any, d: Defaults, vocab: int | None,
+            limits: RequestLimits) -> tuple[list[list[int]], SamplingParams]:
+    gen = {"prompt_token_ids": prompts, "max_new_tokens": d.max_tokens if max_tokens is None else max_tokens,
+           "n": body.get("n", 1), "temperature": body.get("temperature", d.temperature),
+           "top_p": body.get("top_p", d.top_p), "top_k": body.get("top_k", d.top_k), "seed": body.get("seed")}
+    for k in ("temperature", "top_p", "n", "top_k"):  # OpenAI's SDK sends null for "not given"
+        if gen[k] is None:
+            gen[k] = {"temperature": d.temperature, "top_p": d.top_p, "n": 1, "top_k": d.top_k}[k]
+    try:
+        return parse_generate(gen, vocab, limits)
+    except BadRequest as e:  # name the OpenAI field, not the internal one
+        raise BadRequest(str(e).replace("max_new_tokens", "max_tokens").replace("prompt_token_ids", "prompt")) from None
+
+
+def parse_completions(body: Any, tokenize: Callable[[str], list[int]], vocab: int | None, limits: RequestLimits,
+                      defaults: Defaults) -> Request:
+    """Validate a /v1/completions body. `prompt`: a string, a list of strings, a list of token ids, or a list of
+    token-id lists; `tokenize(str) -> list[int]` turns text into ids. logprobs: null, or 0 (the sampled tokens')."""
+    body = json_object(body)
+    _common(body, _COMPLETIONS_FIELDS, "/v1/completions")
+    if "prompt" not in body:
+        raise BadRequest("prompt: missing; send a string, a list of strings or a list of token ids")
+    p = body["prompt"]
+    if isinstance(p, str):
+        rows: Any = [tokenize(p)]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        rows = [tokenize(x) for x in p]
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        rows = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, list) for x in p):
+        rows = p
+    else:
+        raise BadRequest("prompt: expected a string, a list of strings, a list of token ids or a list of token-id lists")
+    if any(not r for r in rows):
+        raise BadRequest("prompt: a prompt tokenizes to no tokens; send non-empty text")
+    prompts, params = _params(body, rows, body.get("max_tokens"), defaults, vocab, limits)
+    lp = body.get("logprobs")
+    if lp is not None:
+        int_field(lp, "logprobs", 0)
+        if lp > 0:
+            raise BadRequest(f"logprobs: {lp} top alternatives are not served; send 0 for the sampled tokens' "
+                             "log-probs or null")
+    return Request(prompts, params, lp is not None, bool(body.get("return_token_ids", False)))
+
+
+def check_messages(messages: Any) -> list[dict]:
+    """The chat messages, each {"role", "content"} with text content (a string, or a list of text parts joined);
+    BadRequest naming the message otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages: expected a non-empty list of {\"role\": ..., \"content\": ...} objects")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise BadRequest(f"messages[{i}]: expected an object with role and content")
+        role = m.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"messages[{i}].role: {role!r} is not one of {', '.join(_ROLES)}")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise BadRequest(f"messages[{i}].content[{j}]: only text parts ({{\"type\": \"text\", \"text\": "
+                                     "...}) are served by a text model")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if content is None and role == "assistant" and m.get("tool_calls"):
+            content = ""
+        if not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content: expected a string or a list of text parts")
+        check_text(content, f"messages[{i}].content")
+        out.append({**m, "content": content})
+    return out
+
+
+def parse_chat(body: Any, render: Callable[[list[dict]], list[int]], vocab: int | None, limits: RequestLimits,
+               defaults: Defaults) -> Request:
+    """Validate a /v1/chat/completions body; `render(messages) -> token ids` applies the chat template with the
+    generation prompt. logprobs: true gives the sampled tokens' log-probs (top_logprobs must be 0 or absent)."""
+    body = json_object(body)
+    if "tools" in body or "tool_choice" in body:
+        raise BadRequest("tools: tool definitions are not served yet; describe the tools in a system message and "
+                         "parse the completion's text")
+    _common(body, _CHAT_FIELDS, "/v1/chat/completions")
+    if "messages" not in body:
+        raise BadRequest("messages: missing; send a list of {\"role\": ..., \"content\": ...} objects")
+    ids = render(check_messages(body["messages"]))
+    if not ids:
+        raise BadRequest("messages: the chat template renders them to no tokens")
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    prompts, params = _params(body, [ids], max_tokens, defaults, vocab, limits)
+    lp = body.get("logprobs") or False
+    if not isinstance(lp, bool):
+        raise BadRequest("logprobs: expected true or false")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise BadRequest(f"top_logprobs: {top} alternatives are not served; send 0 or leave it out")
+    return Request(prompts, params, lp, bool(body.get("return_token_ids", False)))
+
+
+def _usage(req: Request, outputs: list[list[SampleOut]]) -> dict:
+    prompt = sum(len(p) for p in req.prompts)
+    done = sum(len(s.token_ids) for row in outputs for s in row)
+    return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+
+def completion_response(req: Request, outputs: list[list[SampleOut]], decode: Callable[[list[int]], str],
+                        model: str, version: int) -> dict:
+    """The text_completion object of `outputs` (one row per prompt, n samples each)."""
+    choices = []
+    for prompt, row in zip(req.prompts, outputs):
+        for s in row:
+            c = {"index": len(choices), "text": decode(s.token_ids), "finish_reason": s.finish_reason,
+                 "logprobs": None}
+            if req.logprobs:
+                pieces = [decode([t]) for t in s.token_ids]
+                offsets = list(itertools.accumulate((len(x) for x in pieces[:-1]), initial=0)) if pieces else []
+                c["logprobs"] = {"tokens": pieces, "token_logprobs": s.logprobs, "top_logprobs": None,
+                                 "text_offset": offsets}
+            if req.token_ids:
+                c["prompt_token_ids"], c["token_ids"] = prompt, s.token_ids
+            choices.append(c)
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(req, outputs), "policy_version": version}
+
+
+def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable[[list[int]], str], model: str,
+                  version: int) -> dict:
+    """The chat.completion object of `outputs` (one prompt, n samples)."""
+    choices = []
+    for s in outputs[0]:
+        c = {"index": len(choices), "message": {"role": "assistant", "content": decode(s.token_ids)},
+             "finish_reason": s.finish_reason, "logprobs": None}
+        if req.logprobs:
+            c["logprobs"] = {"content": [{"token": (piece := decode([t])), "logprob": lp,
+                                          "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
+                                         for t, lp in zip(s.token_ids, s.logprobs)]}
+        if req.token_ids:
+            c["token_ids"] = s.token_ids
+        choices.append(c)
+    out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+           "model": model, "choices": choices, "usage": _usage(req, outputs), "policy_version": version}
+    if req.token_ids:
+        out["prompt_token_ids"] = req.prompts[0]
+    return out
+
+
+def models_response(model: str, version: int, max_model_len: int, started: float) -> dict:
+    """GET /v1/models: the one policy this server serves."""
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": int(started), "owned_by": "hpc-rl",
+                                        "max_model_len": max_model_len, "policy_version": version}]}
