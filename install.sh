@@ -16,7 +16,7 @@ usage: ./install.sh [--cpu | --cuda X.Y] [--env venv|conda] [--prefix DIR] [--no
   --prefix DIR        where the env lives (default: REPO/.venv)
   --no-vllm           skip vLLM (rollouts then use the HF engine)
   --tracking          also install the tracking extra (wandb, mlflow-skinny) for logging.wandb / logging.mlflow
-  --envs              also install the envs extra (the openai SDK) for agents written against the OpenAI API
+  --envs              also install the envs extra: the openai SDK (agents against the OpenAI API), reasoning-gym
   --test-extras       also install the test/bench/tracking/envs extras (pytest, hypothesis, trl, wandb, ...)
   --with-test-cluster apt-install slurm-wlm munge iproute2 for the local test cluster, and python3 (the
                       sandbox tests run as an unprivileged user, who cannot execute a venv under /root)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
 class DataConfig:
-    """Prompt dataset: `toy:NAME`, a .jsonl/.parquet file, or `hf:NAME` (an HF datasets name or folder)."""
+    """Prompt dataset: `toy:NAME`, a .jsonl/.parquet file, `hf:NAME` (an HF datasets name or folder), or
+    `reasoning_gym:TASK[,TASK...]` (procedural tasks with their own scoring)."""
 
-    # Where the prompts come from: toy:NAME, a .jsonl/.parquet file, or hf:NAME.
+    # Where the prompts come from: toy:NAME, a .jsonl/.parquet file, hf:NAME, or reasoning_gym:TASK[,TASK...].
     source: str = "toy:repeat_digit"
     # The split of an hf: dataset.
     split: str = "train"
@@ -19,5 +20,8 @@ class DataConfig:
     max_prompt_tokens: int = 128
     # Number of rows a toy: dataset generates.
     toy_size: int = 2000
+    # Settings of a reasoning_gym: source: size (rows), seed, system_prompt, and the task's config (a mix: {TASK: {...}},
+    # weights: {TASK: w}).
+    kwargs: dict = field(default_factory=dict)
     # Sample prompts in a seeded random order (false: in file order); either way a resume sees the same data.
     shuffle: bool = True

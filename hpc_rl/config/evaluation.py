@@ -15,8 +15,12 @@ class EvalConfig:
     """Held-out evaluation during training: the policy of a step generates on prompts it never trains on, on the
     rollout servers, with seeds of its own (training samples are the same with evaluation on or off)."""
 
-    # The held-out prompts, in any form data.source takes (toy:NAME, a .jsonl/.parquet file, hf:NAME); null: none.
+    # The held-out prompts, in any form data.source takes (toy:NAME, a .jsonl/.parquet file, hf:NAME,
+    # reasoning_gym:TASK); null: none.
     source: str | None = None
+    # Settings of a reasoning_gym: source (as data.kwargs); null: data.kwargs. Its seed defaults to the job's seed +
+    # 1000003, so that the items are not the training items.
+    kwargs: dict | None = None
     # The split of an hf: dataset or of a toy task (toy tasks with held-out prompts have a test split).
     split: str = "test"
     # The row field holding the prompt (null: data.prompt_key).

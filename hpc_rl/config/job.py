@@ -82,7 +82,8 @@ class JobConfig:
         """The held-out prompts as a data section: eval.source, eval.split and eval.prompt_key, data's prompt limit."""
         e = self.eval
         return dataclasses.replace(self.data, source=e.source, split=e.split,
-                                   prompt_key=e.prompt_key or self.data.prompt_key, shuffle=False)
+                                   prompt_key=e.prompt_key or self.data.prompt_key, shuffle=False,
+                                   kwargs=self.data.kwargs if e.kwargs is None else e.kwargs)
 
     @property
     def rollout_servers(self) -> int:

@@ -1,4 +1,4 @@
-"""Prompt datasets: toy generators, jsonl, parquet, or HF `datasets` (verl-compatible fields)."""
+"""Prompt datasets: toy generators, jsonl, parquet, HF `datasets` (verl-compatible fields), reasoning-gym tasks."""
 
 from __future__ import annotations
 
@@ -93,13 +93,19 @@ def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
     if src.startswith("toy:"):
         raw = toy_rows(src[4:], cfg.toy_size, seed, cfg.split, section)
         where = src
+    elif src.startswith("reasoning_gym:"):
+        from .reasoning_gym import reasoning_gym_rows
+
+        raw = reasoning_gym_rows(src[len("reasoning_gym:"):], cfg.kwargs, seed, section)
+        where = src
     elif src.startswith("hf:"):
         raw = _read_hf(src[3:], cfg.split, section)
         where = src
     else:
         path = Path(src)
         if not path.is_file():
-            raise DataError(f"{section}.source: {src} not found; give a .jsonl/.parquet file, hf:NAME or toy:NAME")
+            raise DataError(f"{section}.source: {src} not found; give a .jsonl/.parquet file, hf:NAME, toy:NAME or "
+                            "reasoning_gym:TASK")
         if path.suffix == ".jsonl" or path.suffix == ".json":
             raw = _read_jsonl(path)
         elif path.suffix == ".parquet":
