@@ -57,26 +57,25 @@ def reasoning_gym_rows(spec: str, kwargs: dict, seed: int, section: str = "data"
     system = kw.pop("system_prompt", "default")
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    system_text = SYSTEM_PROMPTS.get(system, system) if isinstance(system, str) else None
     if system is not None and not isinstance(system, str):
         raise DataError(f"{section}.kwargs.system_prompt: expected a name ({', '.join(SYSTEM_PROMPTS)}), a text or "
                         "null")
+    system_text = None if system is None else SYSTEM_PROMPTS.get(system, system)
+    if len(names) > 1:
+        weights = kw.pop("weights", {}) or {}
+        unknown = sorted(set(kw) - set(names)) + sorted(set(weights) - set(names))
+        if unknown:
+            raise DataError(f"{section}.kwargs.{unknown[0]}: not a task of the mix {spec!r}; a mix takes "
+                            "{TASK: {config}}, weights: {TASK: w}, size, seed and system_prompt")
     try:
         if len(names) == 1:
             ds = rg.create_dataset(names[0], size=size, seed=item_seed, **kw)
         else:
             from reasoning_gym.composite import DatasetSpec
 
-            weights = kw.pop("weights", {}) or {}
-            unknown = sorted(set(kw) - set(names)) + sorted(set(weights) - set(names))
-            if unknown:
-                raise DataError(f"{section}.kwargs.{unknown[0]}: not a task of the mix {spec!r}; a mix takes "
-                                "{TASK: {config}}, weights: {TASK: w}, size, seed and system_prompt")
             specs = [DatasetSpec(n, float(weights.get(n, 1.0)), dict(kw.get(n) or {})) for n in names]
             ds = rg.create_dataset("composite", size=size, seed=item_seed, datasets=specs)
         items = list(ds)
-    except DataError:
-        raise
     except Exception as e:  # the task's config class refuses a field or a value (TypeError, ValueError, assert)
         raise DataError(f"{section}.kwargs: reasoning-gym {spec!r} refused its config: {type(e).__name__}: "
                         f"{first_line(e)}") from None

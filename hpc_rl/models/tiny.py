@@ -127,9 +127,10 @@ def build_cached(kind: str, key: dict, out_dir: str | Path, build: Callable[[Pat
     if not (cached / "config.json").is_file():
         try:
             root.mkdir(parents=True, exist_ok=True)
+            writable = os.access(root, os.W_OK)
         except OSError:
-            return build(out)
-        if not os.access(root, os.W_OK):
+            writable = False
+        if not writable:
             return build(out)
         build(cached)
     with atomic_folder(out) as tmp:

@@ -67,12 +67,13 @@ def _common(body: dict, fields: set[str], what: str) -> None:
 
 def _params(body: dict, prompts: list[list[int]], max_tokens: Any, d: Defaults, vocab: int | None,
             limits: RequestLimits) -> tuple[list[list[int]], SamplingParams]:
-    gen = {"prompt_token_ids": prompts, "max_new_tokens": d.max_tokens if max_tokens is None else max_tokens,
-           "n": body.get("n", 1), "temperature": body.get("temperature", d.temperature),
-           "top_p": body.get("top_p", d.top_p), "top_k": body.get("top_k", d.top_k), "seed": body.get("seed")}
-    for k in ("temperature", "top_p", "n", "top_k"):  # OpenAI's SDK sends null for "not given"
-        if gen[k] is None:
-            gen[k] = {"temperature": d.temperature, "top_p": d.top_p, "n": 1, "top_k": d.top_k}[k]
+    def given(value, default):  # OpenAI's SDK sends null for "not given"
+        return default if value is None else value
+
+    gen = {"prompt_token_ids": prompts, "max_new_tokens": given(max_tokens, d.max_tokens),
+           "n": given(body.get("n"), 1), "temperature": given(body.get("temperature"), d.temperature),
+           "top_p": given(body.get("top_p"), d.top_p), "top_k": given(body.get("top_k"), d.top_k),
+           "seed": body.get("seed")}
     try:
         return parse_generate(gen, vocab, limits)
     except BadRequest as e:  # name the OpenAI field, not the internal one
