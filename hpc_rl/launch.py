@@ -27,6 +27,7 @@ from .models.tiny import cached_tiny_model
 from .models.tiny_reward import cached_tiny_reward_model
 from .nccl import nccl_env
 from .netutil import advertise_host, free_port
+from .orchestrator.agents import check_openai_installed, load_agent
 from .orchestrator.evaluation import check_held_out
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model
@@ -52,6 +53,9 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         load_reward_fn(cfg.reward.monitor, "reward.monitor")
     if cfg.rollout.env:
         load_reward_fn(cfg.rollout.env, "rollout.env")
+    if cfg.rollout.agent:
+        check_openai_installed()
+        load_agent(cfg.rollout.agent)
     if cfg.eval.reward:
         load_reward_fn(cfg.eval.reward, "eval.reward")
     rm = cfg.reward.model

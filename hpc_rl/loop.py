@@ -20,9 +20,10 @@ import traceback
 from . import checkpoints
 from .config import JobConfig
 from .errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingError
-from .metrics import format_step_line
+from .metrics import format_step_line, read_metrics
 from .run_summary import summary_lines
 from .rundir import RunDir
+from .stop_at import StopAt
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -144,7 +145,11 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
         del named
     elif dist.is_main:
         orch.evaluate_start()
-    preempted = False
+    preempted, stopped = False, None
+    stop_at = None
+    if cfg.trainer.stop_at and dist.is_main:
+        done = [r for r in read_metrics(run.root / "metrics.jsonl") if r.get("step", 0) <= learner.step]
+        stop_at = StopAt(cfg.trainer.stop_at, cfg.trainer.stop_window, done)
     t_fit, first_step = time.monotonic(), learner.step
     while learner.step < total:
         step = learner.step
@@ -165,9 +170,14 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                                    f"kept, resume with `hpc-rl run JOB --resume RUN`: {e}") from None
             return  # the other ranks stop quietly; rank 0 reports
         except Fatal as e:
+            kept = ""
+            if learner.step > 0:  # every rank is here: keep the finished steps, as a lost server does
+                if not checkpoints.step_dir(run, learner.step).is_dir():
+                    save(learner, orch)
+                kept = f"; checkpoint of step {learner.step} kept, resume with `hpc-rl run JOB --resume RUN`"
             if dist.is_main:
                 orch.pipeline.close()
-                raise TrainingError(str(e)) from None
+                raise TrainingError(f"{e}{kept}") from None
             return
         except NotFinite as e:
             if dist.is_main:
@@ -177,12 +187,27 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                                     "(or check the reward scale)") from None
             return
         learner.step = step + 1
+        if cfg.trainer.stop_at:  # rank 0 decides; every rank stops at the same step
+            why = None
+            if dist.is_main:
+                try:
+                    why = stop_at.reached(m)
+                except TrainingError as e:
+                    why = e
+            agreed = all_reduce_scalar(2.0 if isinstance(why, Exception) else 1.0 if why else 0.0, "max")
+            if agreed == 2.0:
+                if dist.is_main:
+                    orch.pipeline.close()
+                    raise why
+                return
+            stopped = (why or "trainer.stop_at reached on rank 0") if agreed else None
+        last = learner.step == total or stopped is not None
         if dist.is_main:
             if m["skipped_updates"]:
                 log.warning("step %d: non-finite loss or gradient; %d optimizer step(s) skipped (%d in a row at "
                             "the step's end)", learner.step, m["skipped_updates"], learner.skipped_in_a_row)
-            orch.record(learner.step, m, last=learner.step == total)
-            if learner.step % cfg.logging.every == 0 or learner.step == total:
+            orch.record(learner.step, m, last=last)
+            if learner.step % cfg.logging.every == 0 or last:
                 elapsed = time.monotonic() - t_fit
                 eta = elapsed / (learner.step - first_step) * (total - learner.step)
                 log.info(format_step_line(learner.step, total, m, elapsed, eta))
@@ -192,11 +217,16 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                                 f"{cfg.trainer.max_skipped_in_a_row}); lower trainer.lr, check the reward scale, or "
                                 "use float32/bfloat16 instead of float16")
         every = cfg.checkpoint.every
-        saved = bool(every) and (learner.step % every == 0 or learner.step == total)
+        saved = bool(every) and (learner.step % every == 0 or last)
         # keep_best: every evaluated step has a checkpoint that can become the best one.
         saved = saved or bool(cfg.checkpoint.keep_best and cfg.eval.due(learner.step, total))
         if saved:
             save(learner, orch)
+        if stopped:
+            if dist.is_main:
+                log.info("step %d of %d: trainer.stop_at reached (%s); the run ends here", learner.step, total,
+                         stopped)
+            break
         # Preemption: one rank got the signal; all of them stop here, at the same step boundary.
         if learner.step < total and all_reduce_scalar(1.0 if _preempt_requested else 0.0, "max") > 0:
             if not saved:
@@ -208,7 +238,7 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
             break
     if dist.is_main:
         orch.finish(learner.step, preempted)
-        if not preempted and learner.step == total:
+        if not preempted and (learner.step == total or stopped):
             for line in summary_lines(run, time.monotonic() - t_fit):
                 log.info(line)
 

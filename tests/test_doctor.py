@@ -472,3 +472,15 @@ def test_eval_source_is_checked_and_doctor_takes_overrides(tmp_path, capsys):
     assert "add --job JOB.yaml" in capsys.readouterr().err
     results = run_checks(Ctx(job=config.load(toy, [f"eval.source={tmp_path / 'nope.jsonl'}"]), job_path=str(toy)))
     assert next(r for r in results if r.name == "job:eval-data").status == FAIL
+
+
+def test_the_agent_check_names_what_is_wrong_and_the_fix():
+    from hpc_rl.doctor_checks import job as job_checks
+
+    ok = job_checks.check_agent(Ctx(job=make_job(rollout={"agent": "hpc_rl.rollout.environments.toy_agents:lookup_agent"})))
+    assert ok.status == OK and "is an async function" in ok.message
+    bad = job_checks.check_agent(Ctx(job=make_job(rollout={"agent": "hpc_rl.rewards.toy:repeat_digit"})))
+    assert bad.status == FAIL and "is not an async function" in bad.message and "async def" in bad.fix
+    gone = job_checks.check_agent(Ctx(job=make_job(rollout={"agent": "no_such_pkg.agents:play"})))
+    assert gone.status == FAIL and "cannot import module 'no_such_pkg.agents'" in gone.message
+    assert job_checks.check_agent(Ctx(job=make_job())).status == OK

@@ -160,12 +160,12 @@ class _Refuses(http.server.BaseHTTPRequestHandler):
 def test_a_run_without_servers_of_its_own_waits_for_a_rollout_job_and_learns(slurm_cluster, tmp_path):
     """~1.5 min. rollout.nodes 0, rollout.servers_per_node 0: the trainer waits (saying so) for a rollout job;
     forged registrations written meanwhile (garbage JSON, an address nobody answers at, a server that refuses the
-    run's token) are ignored with a warning and get no work; the run completes and learns."""
+    run's token) are ignored with a warning and get no work; the run learns and completes (trainer.stop_at)."""
     refuser = http.server.ThreadingHTTPServer(("0.0.0.0", 0), _Refuses)
     threading.Thread(target=refuser.serve_forever, daemon=True).start()
     try:
         p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=0",
-                   "rollout.servers_per_node=0", timeout=300)
+                   "rollout.servers_per_node=0", "trainer.stop_at={reward_mean: 0.8}", timeout=300)
         run = submitted_run_dir(p.stdout)
         job_id = read_json(run / "slurm.json")["job_id"]
         log0 = run / "logs" / "trainer-0.log"
@@ -182,7 +182,8 @@ def test_a_run_without_servers_of_its_own_waits_for_a_rollout_job_and_learns(slu
         assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
     finally:
         refuser.shutdown()
-    steps = config.load(run / "job.yaml").trainer.steps
+    steps = len(metrics_rows(run))  # where trainer.stop_at ended it, once it learned
+    assert 5 <= steps <= config.load(run / "job.yaml").trainer.steps
     rows = _every_step_and_sample(run, steps)
     _learned(rows)
     assert {k for r in rows for k in r if k.startswith("server_tokens/")} == {"server_tokens/0"}

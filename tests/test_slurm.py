@@ -118,9 +118,11 @@ def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     """Trainer ranks on n1+n2 (gloo across namespaces), the rollout server on n3 reached by address,
     weights synced every step, checkpoints in the run dir, COMPLETED in `hpc-rl status`.
     Learning criterion: the core issue's own — the mean reward of the last 5 steps is >= 0.8 and at
-    least 0.6 above the first step's (chance ~0.03). One rank per trainer node: two ranks partition ZeRO-3 across
+    least 0.6 above the first step's (chance ~0.03); trainer.stop_at ends the run once it is met, and the job still
+    completes with the last step's checkpoint and push. One rank per trainer node: two ranks partition ZeRO-3 across
     the nodes as four would, at half the CPU time on the test machine's 2 cores."""
-    run = _submit("trainer.nodes=2", "trainer.procs_per_node=1", "rollout.nodes=1", out=tmp_path)
+    run = _submit("trainer.nodes=2", "trainer.procs_per_node=1", "rollout.nodes=1", "trainer.stop_at={reward_mean: 0.8}",
+                  out=tmp_path)
     job_id = read_json(run / "slurm.json")["job_id"]
     follow = subprocess.Popen([sys.executable, "-m", "hpc_rl.cli", "logs", str(run), "--role", "rollout", "--follow"],
                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -144,7 +146,8 @@ def test_toy_grpo_on_three_nodes_completes_and_learns(slurm_cluster, tmp_path):
     assert "serving http://10.77.0.13:" in rollout_log
 
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    steps = config.load(run / "job.yaml").trainer.steps
+    steps = len(rows)  # where stop_at ended it (trainer.steps at most)
+    assert 5 <= steps <= config.load(run / "job.yaml").trainer.steps
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     # Weights reached the server on n3 after every step.
     assert all(r["sync_bytes"] > 0 for r in rows)

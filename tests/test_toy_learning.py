@@ -21,13 +21,15 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("job", ["toy-grpo-cpu.yaml", "toy-grpo-lora-cpu.yaml"])
 def test_toy_job_learns(job, tmp_path):
     """80-100 RL steps of 256 samples are what the toys need to learn (their curves reach 0.8 between steps 35 and
-    60); fewer steps would test a start, not learning. PPO with a critic learns in
-    test_toy_job_learns_from_the_reward_model_alone."""
-    run = _run(job, tmp_path, [])
+    60); fewer steps would test a start, not learning. The run stops once the last 5 steps' mean reaches 0.8
+    (trainer.stop_at), which is the criterion, so the steps after it would only cost CI time. PPO with a critic learns
+    in test_toy_job_learns_from_the_reward_model_alone."""
+    run = _run(job, tmp_path, ["trainer.stop_at={reward_mean: 0.8}"])
     golden_samples.check(job.removesuffix(".yaml"), run)
     rewards = [row["reward_mean"] for row in read_metrics(run / "metrics.jsonl")]
     first, last5 = rewards[0], sum(rewards[-5:]) / 5
-    print(f"{job}: first {first:.3f}, last-5 mean {last5:.3f}, curve {[round(x, 2) for x in rewards[::5]]}")
+    print(f"{job}: {len(rewards)} steps, first {first:.3f}, last-5 mean {last5:.3f}, curve "
+          f"{[round(x, 2) for x in rewards[::5]]}")
     assert last5 >= 0.8, rewards
     assert last5 - first >= 0.6, rewards
 
@@ -57,10 +59,11 @@ def _run(job: str, tmp_path: Path, extra: list[str]) -> Path:
 
 def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
     """PPO trained on the tiny reward model only (on the trainer ranks, the job's placement): the rule score it never
-    sees (reward.monitor) rises from a random policy's to a last-5 mean >= 0.7. The other placements score as the
-    plain model does (tests/test_reward_model_dist.py) and run in a job there."""
+    sees (reward.monitor) rises from a random policy's to a last-5 mean >= 0.7 (where trainer.stop_at ends the run).
+    The other placements score as the plain model does (tests/test_reward_model_dist.py) and run in a job there."""
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-ppo-rm-cpu.yaml"),
-                        "checkpoint.every=0"], capture_output=True, text=True, cwd=tmp_path, timeout=1800,
+                        "checkpoint.every=0", "trainer.stop_at={monitor_mean: 0.7}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
@@ -70,7 +73,7 @@ def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
     assert all("reward_function_mean" not in row and "reward_model_logit_mean" in row for row in rows)
     assert all("reward_model_seconds" in row for row in rows)
     first, last5 = monitor[0], sum(monitor[-5:]) / 5
-    print(f"reward model on the trainer: monitor first {first:.3f}, last-5 mean {last5:.3f}, reward "
+    print(f"reward model on the trainer: {len(rows)} steps, monitor first {first:.3f}, last-5 mean {last5:.3f}, reward "
           f"{rows[0]['reward_mean']:.2f} -> {rows[-1]['reward_mean']:.2f}, curve {[round(x, 2) for x in monitor[::5]]}")
     assert first <= 0.15, monitor
     assert last5 >= 0.7, monitor
@@ -79,10 +82,11 @@ def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
 def test_toy_tool_job_learns_to_call_the_tool(tmp_path):
     """Multi-turn (jobs/toy-tool-cpu.yaml): the digit is only reachable through the lookup tool; the policy learns
     to call it and to answer with what it returned: last-5 mean reward >= 0.8 and >= first + 0.6, and a tool-call
-    rate >= 0.9 over the last 5 steps. Its samples do not depend on timing (each turn has its own seed), so it
-    runs beside other tests and its first steps are golden."""
+    rate >= 0.9 over the last 5 steps (trainer.stop_at ends the run there). Its samples do not depend on timing
+    (each turn has its own seed), so it runs beside other tests and its first steps are golden."""
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-tool-cpu.yaml"),
-                        "checkpoint.every=0"], capture_output=True, text=True, cwd=tmp_path, timeout=1800,
+                        "checkpoint.every=0", "trainer.stop_at={reward_mean: 0.8, tool_calls_per_sample: 0.9}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
@@ -91,8 +95,33 @@ def test_toy_tool_job_learns_to_call_the_tool(tmp_path):
     rewards = [row["reward_mean"] for row in rows]
     calls = [row["tool_calls_per_sample"] for row in rows]
     first, last5, calls5 = rewards[0], sum(rewards[-5:]) / 5, sum(calls[-5:]) / 5
-    print(f"toy-tool: first {first:.3f}, last-5 mean {last5:.3f}, tool calls/sample {calls[0]:.2f} -> {calls5:.2f}, "
+    print(f"toy-tool: {len(rows)} steps, first {first:.3f}, last-5 mean {last5:.3f}, tool calls/sample {calls[0]:.2f} -> {calls5:.2f}, "
           f"curve {[round(x, 2) for x in rewards[::10]]}")
     assert last5 >= 0.8 and last5 - first >= 0.6, rewards
     assert calls5 >= 0.9, calls
     assert all(row["truncated_fraction"] == 0.0 and row["tool_errors"] == 0 for row in rows)
+
+
+def test_toy_agent_job_learns_to_look_up(tmp_path):
+    """jobs/toy-agent-cpu.yaml: the lookup task played by a plain OpenAI-SDK agent (two calls per looked-up episode,
+    one sequence on the engine's tokens). From the agent's reward alone (0 without the lookup) the policy learns to
+    ask for it: the lookup rate (agent/looked) rises from a random policy's ~0.1 to a last-5 mean >= 0.9, where
+    trainer.stop_at ends the run (~15 steps), and the reward rises with it. Copying the looked-up digit to a last-5
+    reward of 0.8 takes the job's 100 steps (~5 s each here): too long for CI; tests/test_rollout_server.py holds
+    the samples to the engine's tokens."""
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-agent-cpu.yaml"),
+                        "checkpoint.every=0", "trainer.stop_at={agent/looked: 0.9}"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    rewards = [row["reward_mean"] for row in rows]
+    looked = [row["agent/looked"] for row in rows]
+    print(f"toy-agent: {len(rows)} steps, lookups {looked[0]:.2f} -> {sum(looked[-5:]) / 5:.2f}, reward "
+          f"{rewards[0]:.3f} -> {sum(rewards[-5:]) / 5:.3f}")
+    assert looked[0] <= 0.3 and sum(looked[-5:]) / 5 >= 0.9, looked
+    assert sum(rewards[-5:]) / 5 >= rewards[0] + 0.02, rewards
+    assert len(rows) < 100  # stop_at ended it: the criterion was met
+    assert all(row["agent/failed_frac"] == 0.0 for row in rows)
+    assert all(1.0 <= row["agent/calls_per_episode"] <= 2.0 and row["agent/samples_per_episode"] == 1.0 for row in rows)

@@ -75,7 +75,7 @@ class JobConfig:
     def response_budget(self) -> int:
         """Response tokens a sample may have: rollout.max_new_tokens, or a multi-turn trajectory's total budget."""
         r = self.rollout
-        return r.total_tokens(self.data.max_prompt_tokens) if r.env else r.max_new_tokens
+        return r.total_tokens(self.data.max_prompt_tokens) if r.env or r.agent else r.max_new_tokens
 
     @property
     def eval_data(self) -> DataConfig:

@@ -101,8 +101,9 @@ def check(cfg: JobConfig, need) -> None:
     need(ol.buffer_tokens <= budget, f"reward.overlong.buffer_tokens ({ol.buffer_tokens}) exceeds the response budget "
          f"({budget} tokens: {'rollout.max_total_tokens' if cfg.rollout.env else 'rollout.max_new_tokens'}); make "
          "it a part of the budget, e.g. a quarter")
-    env = cfg.rollout.env
-    need(bool(rw.parts) or bool(env), "reward: neither reward.function nor reward.model is set (nor rollout.env); "
+    env = cfg.rollout.env or cfg.rollout.agent  # an agent's reward is the "environment" part, as an env's
+    need(bool(rw.parts) or bool(env), "reward: neither reward.function nor reward.model is set (nor rollout.env or "
+         "rollout.agent); "
          "give a reward function (pkg.module:function), a reward model (reward.model.path), or both")
     for key, w in rw.weights.items():
         need(key in ("function", "model", "environment"),

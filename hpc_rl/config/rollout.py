@@ -118,6 +118,19 @@ class RolloutConfig:
     tool_timeout_s: float = 30.0
     # The sandbox of the built-in python tool.
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # An OpenAI-SDK agent as pkg.module:function: `async def fn(client, task, **agent_kwargs)` is awaited once per
+    # episode with an openai.AsyncOpenAI pointed at the run and the dataset row, and returns the reward (or
+    # {reward, metrics}); its calls are recorded on the engine's tokens and trained (README "Bring your own
+    # environment"). null: no agent.
+    agent: str | None = None
+    # Keyword arguments of the agent function.
+    agent_kwargs: dict = field(default_factory=dict)
+    # Episodes running at once.
+    agent_concurrency: int = 64
+    # Seconds one episode may take; past it the episode is lost (agent/failed_frac).
+    agent_timeout_s: float = 600.0
+    # The fraction of a step's episodes that may be lost; more stops the run (its finished steps checkpointed).
+    agent_max_failed_frac: float = 0.5
 
     @property
     def server_wait_s(self) -> float:
@@ -157,6 +170,16 @@ def check(cfg: JobConfig, need) -> None:
     need(0 <= r.async_steps <= 16, f"rollout.async_steps must be in [0, 16] (0: synchronous); got {r.async_steps}")
     if r.env is not None:
         _check_env(cfg, need)
+    if r.agent is not None:
+        need(isinstance(r.agent, str) and ":" in r.agent and all(r.agent.split(":", 1)),
+             f"rollout.agent: {r.agent!r} is not pkg.module:function; e.g. "
+             "hpc_rl.rollout.environments.toy_agents:lookup_agent")
+        need(r.env is None, "rollout.agent and rollout.env are both set; an episode is either an agent's or an "
+             "environment's: remove one")
+        need(r.agent_concurrency >= 1, f"rollout.agent_concurrency must be >= 1; got {r.agent_concurrency}")
+        need(r.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0; got {r.agent_timeout_s}")
+        need(0 <= r.agent_max_failed_frac <= 1,
+             f"rollout.agent_max_failed_frac must be in [0, 1]; got {r.agent_max_failed_frac}")
 
 
 def _check_env(cfg: JobConfig, need) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -25,6 +26,12 @@ class TrainerConfig:
     local_cpus: list = field(default_factory=list)
     # RL steps (each: generate, score, update, push weights).
     steps: int = 50
+    # End the run before trainer.steps once, for every metric named here (a metrics.jsonl column), the mean of
+    # its last stop_window steps reaches the value, e.g. {reward_mean: 0.8}; the run then ends as at its last
+    # step (checkpoint, summary), without the evaluation after the last step unless one is due then. {}: never.
+    stop_at: dict = field(default_factory=dict)
+    # Steps averaged for stop_at.
+    stop_window: int = 5
     # Prompts per step; samples per step = prompts_per_step x algorithm.group_size.
     prompts_per_step: int = 16
     # Samples per optimizer step (over all ranks); must divide the samples per step.
@@ -75,6 +82,10 @@ def check(cfg: JobConfig, need) -> None:
     need(t.nodes >= 1, f"trainer.nodes must be >= 1; got {t.nodes}")
     need(t.procs_per_node >= 1, f"trainer.procs_per_node must be >= 1; got {t.procs_per_node}")
     need(t.steps >= 1, f"trainer.steps must be >= 1; got {t.steps}")
+    need(all(isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
+             and math.isfinite(v) for k, v in t.stop_at.items()),
+         f"trainer.stop_at must map metric names to numbers, e.g. {{reward_mean: 0.8}}; got {t.stop_at}")
+    need(t.stop_window >= 1, f"trainer.stop_window must be >= 1; got {t.stop_window}")
     need(t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1")
     need(t.lr > 0, f"trainer.lr must be > 0; got {t.lr}")
     need(t.critic_lr is None or t.critic_lr > 0, "trainer.critic_lr must be > 0")

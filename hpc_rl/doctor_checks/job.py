@@ -1,4 +1,5 @@
-"""Job checks (`hpc-rl doctor --job`): model folder, pad token, architectures, GPU placement, reward, bind address."""
+"""Job checks (`hpc-rl doctor --job`): model folder, pad token, architectures, GPU placement, reward, agent, bind
+address."""
 
 from __future__ import annotations
 
@@ -224,6 +225,24 @@ def check_reward(ctx: Ctx) -> list[Result]:
                              "(batched: a 1-D sequence of B floats)")]
     return out + [Result("job:reward", OK, f"{rc.function} -> {[round(float(v), 4) for v in values]} on "
                           f"{len(rows)} {kind} rows")]
+
+
+@check("job:agent", needs_job=True)
+def check_agent(ctx: Ctx) -> Result:
+    """rollout.agent imports, is `async def`, and the openai package its client needs is installed."""
+    from ..errors import ConfigError, RewardError
+    from ..orchestrator.agents import check_openai_installed, load_agent
+
+    spec = ctx.job.rollout.agent
+    if not spec:
+        return Result("job:agent", OK, "no rollout.agent")
+    try:
+        check_openai_installed()
+        load_agent(spec)
+    except (ConfigError, RewardError) as e:
+        return Result("job:agent", FAIL, str(e), "make the module importable (pip install -e your package, or "
+                      "PYTHONPATH), define the function with `async def`, and install the envs extra")
+    return Result("job:agent", OK, f"{spec} is an async function; the openai package is installed")
 
 
 def _weights_bytes(folder: Path, load_dtype: str | None) -> tuple[int, float]:

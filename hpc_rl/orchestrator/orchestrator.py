@@ -240,6 +240,7 @@ class Orchestrator:
         tell the servers the run is done (unless preempted: a requeue resumes it), close the metrics files and the
         tracked runs; a last evaluation that failed is reported now."""
         self.pipeline.close()
+        self.sampler.close()
         self.client.close()  # leaves the weight-sync group before the servers see done.json
         if self.reward_client is not None:
             self.reward_client.close()

@@ -2,7 +2,8 @@
 
 Training batches (batches.py, dynamic_sampling.py) and evaluations (evaluation.py) both come through
 `Sampler.sample`: single-turn prompts go to the servers as one generation (split across them by the client),
-multi-turn episodes of rollout.env run through multi_turn.py, and the scoring asked for adds its parts. Seeds come
+multi-turn episodes of rollout.env run through multi_turn.py, OpenAI-SDK agents of rollout.agent through agents.py
+(their calls recorded by agent_front.py), and the scoring asked for adds its parts. Seeds come
 from the caller's SeedStream (seeds.py): a sample depends on what it is, not on how it was batched or served.
 """
 
@@ -20,7 +21,11 @@ from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.environments.sandbox import SandboxLimits
 from ..rollout.environments.tools import ToolContext
+from ..rollout.wire.openai_api import Defaults
+from ..rollout.wire.protocol import RequestLimits
 from ..rollout.wire.sampling import SamplingParams
+from .agent_front import AgentFront
+from .agents import AgentRollout, agent_batch
 from .batch import RolloutBatch
 from .multi_turn import Limits, MultiTurnRollout
 from .seeds import SeedStream
@@ -74,6 +79,18 @@ class Sampler:
         self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
         self.stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
         self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env else None
+        self.agents = self._agents() if cfg.rollout.agent else None
+
+    def _agents(self) -> AgentRollout:
+        """The agent of rollout.agent and the front its clients call (loopback, the run token)."""
+        r = self.cfg.rollout
+        front = AgentFront(self.tokenizer, self.client, self.stop_ids, RequestLimits.of(r), len(self.tokenizer),
+                           self.client.token, self.cfg.model.path)
+        return AgentRollout(self.cfg, front)
+
+    def close(self) -> None:
+        if self.agents is not None:
+            self.agents.front.shutdown()
 
     def _multi_turn(self, hide: list) -> MultiTurnRollout:
         """The multi-turn loop of rollout.env; `hide`: paths the tools' sandbox hides (the run dir, its parent)."""
@@ -100,7 +117,12 @@ class Sampler:
         `params` without seeds: they come from `seeds`. `step` names the generation in errors and logs."""
         t0 = time.time()
         rows = [dataset.rows[i] for i in idx for _ in range(n)]
-        if self.multi_turn is not None:
+        if self.agents is not None:
+            defaults = Defaults(params.max_new_tokens, params.temperature, params.top_p, params.top_k)
+            episodes = self.agents.run(rows, step, seeds.turn, defaults)
+            batch, texts, turn_stats = agent_batch(episodes, rows, n, step, [dataset.token_ids[i] for i in idx],
+                                                   self.tokenizer)
+        elif self.multi_turn is not None:
             params = dataclasses.replace(params, n=1, seed=seeds.run_seed, seeds=None)
             trajs, turn_stats = self.multi_turn.run(rows, params, step, seeds.turn)
             batch = RolloutBatch(
@@ -148,3 +170,4 @@ class Sampler:
             ol = self.cfg.reward.overlong
             parts["overlong"] = overlong_penalty([len(x) for x in batch.responses], self.cfg.response_budget,
                                                  ol.buffer_tokens, ol.penalty).tolist()
+

@@ -1,0 +1,56 @@
+"""What an OpenAI-SDK agent costs against native generation: the copy toy (jobs/toy-grpo-cpu.yaml, 2 ZeRO-3 ranks and
+one HF rollout server) two ways, sides alternating (A B A B):
+
+  native   the orchestrator's own path: one generation request of the step's 256 samples
+  agent    hpc_rl.rollout.environments.toy_agents:copy_agent, one /v1/completions call per episode through the
+           openai SDK and the run's agent front (256 episodes at once, gathered into waves)
+
+Per side: median step seconds after the first, the generation phase's seconds and samples/s (256 / step seconds).
+The goal (issue: the OpenAI path must not cost more than 20%) is agent samples/s >= 0.8 x native. On this toy a
+step's generation is ~0.3 s for 256 samples, so the SDK's few ms of CPU per call weigh far more than they would
+beside a real model's generation.
+  python bench/agent_overhead.py           # 12 steps, 2 rounds
+  python bench/agent_overhead.py --quick   # 4 steps, 1 round
+Writes bench/results/agent_overhead.json; the last line printed is one JSON object with the ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import alternate_sides, bench_job, machine, rounds_args, steady, table, write_result  # noqa: E402
+
+SIDES = {"native": [],
+         "agent": ["rollout.agent=hpc_rl.rollout.environments.toy_agents:copy_agent", "rollout.agent_concurrency=256",
+                   "reward.function=null"]}
+
+
+def main() -> None:
+    args, work = rounds_args(__doc__, steps=12, rounds=2, quick=(4, 1), prefix="agent-overhead-bench-")
+    job = bench_job("toy-grpo-cpu", "agent-overhead-bench", args.steps)
+    samples = job["trainer"]["prompts_per_step"] * job["algorithm"]["group_size"]
+    load_before = machine()["load_avg"]
+
+    def measure(side: str, res: dict) -> dict:
+        m = res["metrics"][1:] or res["metrics"]
+        step_s = steady(res["step_s"])
+        return {"step_s": step_s, "gen_s": statistics.median(x["gen_seconds"] for x in m),
+                "samples_per_s": samples / step_s}
+
+    runs, med = alternate_sides(job, work, SIDES, args.rounds, measure)
+    ratio = med["agent"]["samples_per_s"] / med["native"]["samples_per_s"]
+    rows = [[side, f"{v['step_s']:.2f}", f"{v['gen_s']:.2f}", f"{v['samples_per_s']:.1f}"] for side, v in med.items()]
+    print(table(["side", "s/step", "generation s", "samples/s"], rows))
+    result = {"machine": machine(), "load_avg_before": load_before, "steps": args.steps, "rounds": args.rounds,
+              "sides": med, "runs": runs, "ratio_agent_vs_native_samples_per_s": ratio, "goal": 0.8}
+    write_result("agent_overhead", result)
+    print(json.dumps({"agent_vs_native_samples_per_s": round(ratio, 3), "goal": 0.8}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""The OpenAI-compatible front that a run's agents call (rank 0, loopback only, the run token as the API key).
+
+Each episode gets a base URL of its own (`/e/EPISODE/v1`), so its calls are recorded as its own without the agent
+passing anything but its client. A call goes to the rollout servers through the run's client, as native generation
+does (load balancing, failover, elastic membership), with the seed hpc-rl gives that call of that episode and the
+run's sampling settings as defaults. Calls of all running episodes are sent together as waves (one request per wave,
+as the multi-turn loop does), and each is recorded with the engine's prompt and completion token ids, their log-probs
+and the policy version (agent_trace.Call).
+
+Token-exact conversations: when a chat call repeats the episode's previous call with the assistant's reply appended
+as it was returned, and only adds messages after it, its prompt is the previous call's prompt and completion ids
+followed by the new messages rendered as the chat template continues the turn (environments/chat.py), never the
+reply's text tokenized again. So an agent that appends is one sequence on the engine's tokens.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from ..errors import HpcRlError, RolloutError, first_line
+from ..rollout.environments.chat import ChatFormat
+from ..rollout.wire import openai_api
+from ..rollout.wire.protocol import BadRequest, RequestLimits
+from ..rollout.wire.sampling import SamplingParams
+from .agent_trace import Call
+
+log = logging.getLogger("hpc_rl")
+
+MAX_BODY = 16 << 20  # bytes of one request body
+GATHER_S = 0.005  # how long a free wave slot waits for more calls of the running episodes
+MAX_WAVES = 2  # waves in flight: one is generated while the next gathers
+
+
+@dataclass
+class Episode:
+    """What the front knows of one running episode."""
+
+    seed_of_call: Callable[[int], int | None]  # the seed of the episode's k-th call (0-based)
+    defaults: openai_api.Defaults  # what a call leaves out: the generation's settings (training's or eval's)
+    step: int  # names the generation in errors
+    calls: list[Call] = field(default_factory=list)
+    messages: list[dict] | None = None  # the last chat call's messages + the reply as returned
+    ids: list[int] = field(default_factory=list)  # ... and its prompt + completion token ids
+    last: tuple[int | None, bool] = (None, False)  # its last token and whether it was a stop token
+    issued: int = 0  # calls made (the next call's index, for its seed)
+    waiting: int = 0  # its calls being generated
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    params: SamplingParams
+    step: int
+    future: Future
+
+
+class AgentFront:
+    """Serves /e/EPISODE/v1/{models,chat/completions,completions} on 127.0.0.1 and records every call."""
+
+    def __init__(self, tokenizer, client, stop_ids: list[int], limits: RequestLimits, vocab: int | None, token: str,
+                 model_name: str):
+        self.tokenizer, self.client = tokenizer, client
+        self.stop_ids, self.limits, self.vocab, self.token, self.model_name = stop_ids, limits, vocab, token, model_name
+        self.fmt = ChatFormat(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self._episodes: dict[str, Episode] = {}
+        self._lock = threading.Condition()
+        self._pending: list[_Pending] = []
+        self._closed = False
+        self.server_error: RolloutError | None = None  # a wave no server answered (AgentRollout.run raises it)
+        self._waves = ThreadPoolExecutor(MAX_WAVES, thread_name_prefix="agent-wave")
+        self._slots = threading.Semaphore(MAX_WAVES)
+        self._dispatcher = threading.Thread(target=self._dispatch, name="agent-front-dispatch", daemon=True)
+        self._dispatcher.start()
+        front = self
+
+        class Handler(_Handler):
+            owner = front
+
+        self._http = _Server(("127.0.0.1", 0), Handler)
+        self._http.daemon_threads = True
+        self._serve = threading.Thread(target=self._http.serve_forever, name="agent-front", daemon=True)
+        self._serve.start()
+        self.port = self._http.server_address[1]
+
+    # ------------------------------------------------------------------ episodes
+
+    def url(self, episode: str) -> str:
+        return f"http://127.0.0.1:{self.port}/e/{episode}/v1"
+
+    def open(self, episode: str, seed_of_call: Callable[[int], int | None], defaults: openai_api.Defaults,
+             step: int) -> None:
+        with self._lock:
+            self._episodes[episode] = Episode(seed_of_call, defaults, step)
+
+    def close(self, episode: str) -> list[Call]:
+        """The episode's recorded calls; later calls of it are refused (its agent timed out or finished)."""
+        with self._lock:
+            ep = self._episodes.pop(episode, None)
+            self._lock.notify_all()
+        return ep.calls if ep is not None else []
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._lock.notify_all()
+        self._http.shutdown()
+        self._http.server_close()
+        self._waves.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ one call
+
+    def models(self) -> dict:
+        return openai_api.models_response(self.model_name, int(getattr(self.client, "pushed_version", None) or 0),
+                                          self.limits.max_model_len, time.time())
+
+    def call(self, episode: str, route: str, body) -> dict:
+        """A chat or text completion for `episode`, recorded; BadRequest for what the agent got wrong."""
+        ep, req, fut = self._begin(episode, route, body)
+        return self._end(ep, route, body, req, *fut.result())
+
+    async def acall(self, episode: str, route: str, body) -> dict:
+        """`call` for an agent's in-process client: the event loop goes on while the wave is generated."""
+        import asyncio
+
+        ep, req, fut = self._begin(episode, route, body)
+        return self._end(ep, route, body, req, *await asyncio.wrap_future(fut))
+
+    def request(self, method: str, path: str, auth: str, raw: bytes) -> tuple[int, dict, tuple | None]:
+        """An HTTP request as (status, error body, None), or (200, {}, (episode, route, body)) to be answered by
+        `call`/`acall`: the routes, the API key and the JSON checked in one place for both transports."""
+        if not hmac.compare_digest(auth.encode(), f"Bearer {self.token}".encode()):
+            return _error(401, "missing or wrong API key: use the run token (the client hpc-rl gives the agent has it)")
+        parts = path.split("?", 1)[0].strip("/").split("/", 3)
+        if len(parts) < 4 or parts[0] != "e" or parts[2] != "v1":
+            return _error(404, f"{path}: not served; the routes are /e/EPISODE/v1/models, /chat/completions and "
+                          "/completions")
+        episode, route = parts[1], parts[3]
+        if method == "GET" and route == "models":
+            return 200, self.models(), None
+        if method != "POST" or route not in ("chat/completions", "completions"):
+            return _error(404, f"{method} {path}: not served; POST /e/EPISODE/v1/chat/completions or /completions")
+        if len(raw) > MAX_BODY:
+            return _error(413, f"body of {len(raw)} bytes; at most {MAX_BODY}")
+        try:
+            body = json.loads(raw or b"null")
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, f"body: not JSON ({first_line(e)})")
+        return 200, {}, (episode, route, body)
+
+    def _begin(self, episode: str, route: str, body):
+        with self._lock:
+            ep = self._episodes.get(episode)
+        if ep is None:
+            raise BadRequest(f"episode {episode}: not running (it finished or timed out); a client of an episode "
+                             "serves only that episode")
+        if route == "chat/completions":
+            if self.fmt is None:
+                raise BadRequest("messages: the policy's tokenizer has no chat template; call /v1/completions with text")
+
+            def render(messages: list[dict]) -> list[int]:
+                chained = self._continuation(ep, messages)
+                if chained is not None:
+                    return chained
+                try:
+                    return self.fmt.prompt_ids(messages)
+                except Exception as e:  # the template's own checks, or jinja failing on the input
+                    raise BadRequest(f"messages: the model's chat template refused them: {first_line(e)}") from None
+
+            req = openai_api.parse_chat(body, render, self.vocab, self.limits, ep.defaults)
+        else:
+            req = openai_api.parse_completions(body, self._encode, self.vocab, self.limits, ep.defaults)
+        if len(req.prompts) != 1 or req.params.n != 1:
+            raise BadRequest("n: an agent's call samples one completion of one prompt (n 1); call again for more")
+        with self._lock:
+            k = ep.issued
+            ep.issued += 1
+        params = SamplingParams(n=1, max_new_tokens=req.params.max_new_tokens, temperature=req.params.temperature,
+                                top_p=req.params.top_p, top_k=req.params.top_k, stop_token_ids=list(self.stop_ids),
+                                seeds=[ep.seed_of_call(k)])
+        fut: Future = Future()
+        with self._lock:
+            ep.waiting += 1
+            self._pending.append(_Pending(req.prompts[0], params, ep.step, fut))
+            self._lock.notify_all()
+        return ep, req, fut
+
+    def _end(self, ep: Episode, route: str, body, req, out, version) -> dict:
+        call = Call(list(req.prompts[0]), list(out.token_ids), list(out.logprobs), int(version), out.finish_reason)
+        text = self._decode(out.token_ids)
+        with self._lock:
+            ep.waiting -= 1
+            ep.calls.append(call)
+            if route == "chat/completions":
+                msgs = openai_api.check_messages(body["messages"])
+                ep.messages = [_plain(m) for m in msgs] + [{"role": "assistant", "content": text}]
+                ep.ids = call.prompt_ids + call.completion_ids
+                last = out.token_ids[-1] if out.token_ids else None
+                ep.last = (last, out.finish_reason == "stop" and last in self.stop_ids)
+        respond = openai_api.chat_response if route == "chat/completions" else openai_api.completion_response
+        return respond(req, [[out]], self._decode, self.model_name, int(version))
+
+    @staticmethod
+    def answer(work) -> tuple[int, dict]:
+        """(status, body) of `work()` (a call): 400 for the agent's mistakes, 503 for the run's side, 500 else."""
+        try:
+            return 200, work()
+        except BadRequest as e:
+            return _error(400, str(e))[:2]
+        except HpcRlError as e:
+            return _error(503, first_line(e))[:2]
+        except Exception as e:  # noqa: BLE001 - the agent gets an API error; the run logs what failed
+            log.warning("agent front: a call failed: %s: %s", type(e).__name__, first_line(e))
+            return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
+
+    async def aanswer(self, episode: str, route: str, body) -> tuple[int, dict]:
+        """`answer` of an in-process call."""
+        try:
+            return 200, await self.acall(episode, route, body)
+        except BadRequest as e:
+            return _error(400, str(e))[:2]
+        except HpcRlError as e:
+            return _error(503, first_line(e))[:2]
+        except Exception as e:  # noqa: BLE001
+            log.warning("agent front: a call failed: %s: %s", type(e).__name__, first_line(e))
+            return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
+
+    def _continuation(self, ep: Episode, messages: list[dict]) -> list[int] | None:
+        """The prompt ids of a call that appends to the episode's last chat call (see the module's docstring)."""
+        prev = ep.messages
+        if prev is None or len(messages) <= len(prev):
+            return None
+        if [_plain(m) for m in messages[:len(prev)]] != prev:
+            return None
+        new = messages[len(prev):]
+        if any(m.get("role") == "assistant" for m in new):
+            return None
+        try:
+            return ep.ids + self.fmt.observation_ids([_plain(m) for m in new], *ep.last)
+        except Exception:  # a template that renders the turns differently once more follow: a fresh prompt
+            return None
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ------------------------------------------------------------------ waves
+
+    def _dispatch(self) -> None:
+        """Sends the pending calls as a wave whenever fewer than MAX_WAVES are being generated: the engines stay
+        busy, and calls made meanwhile gather into the next wave (bigger while the engines are slow). A free slot
+        waits up to GATHER_S for the running episodes' calls unless all of them wait already. Calls with other
+        sampling settings (or of another step) go in waves of their own."""
+        while True:
+            self._slots.acquire()
+            with self._lock:
+                while not self._pending and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    for p in self._pending:
+                        p.future.set_exception(HpcRlError("the run's agent front closed"))
+                    return
+                deadline = time.monotonic() + GATHER_S
+                while not self._closed and not all(e.waiting > 0 for e in self._episodes.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._lock.wait(left)
+                pending, self._pending = self._pending, []
+            waves: dict[tuple, list[_Pending]] = {}
+            for p in pending:
+                q = p.params
+                waves.setdefault((p.step, q.max_new_tokens, q.temperature, q.top_p, q.top_k), []).append(p)
+            for j, wave in enumerate(waves.values()):
+                if j:
+                    self._slots.acquire()
+                self._waves.submit(self._run_wave, wave)
+
+    def _run_wave(self, wave: list[_Pending]) -> None:
+        first = wave[0].params
+        params = SamplingParams(n=1, max_new_tokens=first.max_new_tokens, temperature=first.temperature,
+                                top_p=first.top_p, top_k=first.top_k, stop_token_ids=list(first.stop_token_ids),
+                                seeds=[p.params.seeds[0] for p in wave])
+        try:
+            res = self.client.generate([p.prompt for p in wave], params, step=wave[0].step)
+        except BaseException as e:  # every call of the wave fails with the cause (the agent sees an API error)
+            if isinstance(e, RolloutError):  # no server answered: the run's wait for servers, not the agent's loss
+                self.server_error = e
+            for p in wave:
+                p.future.set_exception(e)
+            return
+        finally:
+            self._slots.release()
+        for p, outs, version in zip(wave, res.outputs, res.policy_versions):
+            p.future.set_result((outs[0], version))
+
+
+def _error(status: int, message: str) -> tuple[int, dict, None]:
+    """OpenAI's error shape, so that the SDK's exception carries the message."""
+    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error"}.get(status, "server_error")
+    return status, {"error": {"message": message, "type": kind, "code": status}}, None
+
+
+def _plain(m: dict) -> dict:
+    """A message as the recorded conversation compares it: role and text content."""
+    content = m.get("content")
+    if isinstance(content, list):
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    return {"role": m.get("role"), "content": content if content is not None else ""}
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 1024  # every running episode may connect at once (the default backlog is 5)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: AgentFront
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *_args) -> None:  # the run's log has one line per step, not per call
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _answer(self, method: str) -> None:
+        try:
+            size = int(self.headers.get("Content-Length", "0") or 0)
+        except ValueError:
+            size = -1
+        if size < 0 or size > MAX_BODY:
+            self._send(*_error(413, f"Content-Length {self.headers.get('Content-Length')!r}; at most {MAX_BODY}")[:2])
+            self.close_connection = True
+            return
+        raw = self.rfile.read(size) if size else b""
+        status, body, work = self.owner.request(method, self.path, self.headers.get("Authorization", ""), raw)
+        if work is not None:
+            status, body = self.owner.answer(lambda: self.owner.call(*work))
+        self._send(status, body)
+
+    def do_GET(self) -> None:
+        self._answer("GET")
+
+    def do_POST(self) -> None:
+        self._answer("POST")
