@@ -186,6 +186,39 @@ def test_tiny_model_loads_through_the_real_loader(tiny_model):
     assert torch.equal(m(x).logits, ref(x).logits)
 
 
+def test_the_launchers_tokenizer_is_autotokenizers(tiny_model, tmp_path):
+    """load_tokenizer skips AutoTokenizer's import for qwen2 folders (models/loading.tokenizer_class): the same class,
+    token ids, chat template and special tokens as AutoTokenizer gives, for the toys' folders (one with a chat
+    template) and a Qwen2.5-style tokenizer_config; other folders still go through AutoTokenizer."""
+    from transformers import AutoTokenizer
+
+    from hpc_rl.data.toy import LOOKUP_CHAT_TEMPLATE, lookup_corpus
+    from hpc_rl.models.loading import load_tokenizer, tokenizer_class
+    from hpc_rl.models.tiny import build_tiny_model
+
+    chat = build_tiny_model(TinyModelConfig(), lookup_corpus(), tmp_path / "chat", chat_template=LOOKUP_CHAT_TEMPLATE)
+    hub = tmp_path / "hub-style"
+    __import__("shutil").copytree(tiny_model, hub)
+    tc = json.loads((hub / "tokenizer_config.json").read_text())
+    (hub / "tokenizer_config.json").write_text(json.dumps({**tc, "tokenizer_class": "Qwen2Tokenizer"}))
+    texts = ["copy 7 : 7 7", "find a : look = 3 : 3 3 3 3", "copy  9:9", "<eos>copy 1 :<pad>"]
+    for folder in (tiny_model, chat, hub):
+        assert tokenizer_class(folder) is not None
+        ours, auto = load_tokenizer(folder), AutoTokenizer.from_pretrained(str(folder))
+        assert type(ours) is type(auto) and type(ours).__name__ == "Qwen2Tokenizer"
+        for t in texts:
+            assert ours(t, add_special_tokens=False)["input_ids"] == auto(t, add_special_tokens=False)["input_ids"]
+        assert (ours.eos_token_id, ours.chat_template, ours.get_vocab()) == (auto.eos_token_id, auto.chat_template,
+                                                                              auto.get_vocab())
+    msgs = [{"role": "user", "content": "find a"}]
+    assert load_tokenizer(chat).apply_chat_template(msgs, tokenize=False) == AutoTokenizer.from_pretrained(
+        str(chat)).apply_chat_template(msgs, tokenize=False)
+    assert tokenizer_class(tiny_model, trust_remote_code=True) is None
+    cfg = json.loads((hub / "config.json").read_text())
+    (hub / "config.json").write_text(json.dumps({**cfg, "model_type": "llama"}))
+    assert tokenizer_class(hub) is None
+
+
 def test_same_inputs_build_the_same_model(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM

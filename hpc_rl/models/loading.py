@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import warnings
 from pathlib import Path
@@ -33,13 +34,39 @@ def check_model_dir(path: str | Path) -> Path:
     return p
 
 
-def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str = "model.path"):
-    """AutoTokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts; errors
-    name `key` (the config key of the folder)."""
-    from transformers import AutoTokenizer
+# Tokenizer classes of a qwen2 folder that AutoTokenizer resolves to Qwen2Tokenizer (transformers 5 lists qwen2 among
+# the model types whose hub class it overrides): Qwen2/2.5 checkpoints' and the tiny toys' folders.
+_QWEN2_HUB_CLASSES = {"Qwen2Tokenizer", "Qwen2TokenizerFast", "TokenizersBackend"}
 
+
+def tokenizer_class(path: str | Path, trust_remote_code: bool = False):
+    """The class AutoTokenizer picks for `path` when that is certain from its files without importing
+    AutoTokenizer (Qwen2Tokenizer), else None. AutoTokenizer imports most of transformers' modeling code and torch,
+    ~5 CPU-s that a launcher which only checks the prompts does not need (tests/test_data_rewards.py holds both to
+    the same class and token ids)."""
+    if trust_remote_code:
+        return None
     try:
-        tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        tc = json.loads((Path(path) / "tokenizer_config.json").read_text())
+        mc = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(tc, dict) or not isinstance(mc, dict) or "auto_map" in tc or mc.get("model_type") != "qwen2" \
+            or tc.get("tokenizer_class") not in _QWEN2_HUB_CLASSES:
+        return None
+    from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
+
+    return Qwen2Tokenizer
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str = "model.path"):
+    """AutoTokenizer's tokenizer with a pad token guaranteed (eos reused, warned once) and left padding for prompts;
+    errors name `key` (the config key of the folder)."""
+    try:
+        cls = tokenizer_class(path, trust_remote_code)
+        if cls is None:
+            from transformers import AutoTokenizer as cls
+        tok = cls.from_pretrained(str(path), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         raise ModelError(f"{key}: cannot load a tokenizer from {path} ({first_line(e)}); "
                          "the folder needs tokenizer.json or tokenizer_config.json") from None
@@ -61,8 +88,6 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str =
 
 def _model_vocab_size(path) -> int | None:
     try:
-        import json
-
         return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -15,9 +15,9 @@ import logging
 import math
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from ..config import JobConfig, RewardModelConfig
 from ..errors import ConfigError, ModelError, RewardError
@@ -27,6 +27,9 @@ log = logging.getLogger("hpc_rl")
 _warned: set[str] = set()
 
 KEY = "reward.model"
+
+if TYPE_CHECKING:  # torch is imported where a forward runs: the launcher checks folders without it
+    import torch
 
 
 def _warn_once(key: str, msg: str, *args) -> None:
@@ -103,6 +106,8 @@ def load_reward_module(rm: RewardModelConfig, cfg: JobConfig, device: str | torc
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    import torch
+
     """[B] position of each row's last real token, whether the rows are padded on the left or the right."""
     pos = torch.arange(attention_mask.shape[1], device=attention_mask.device)
     return (attention_mask.long() * (pos + 1)).argmax(-1)
@@ -156,12 +161,21 @@ class HeadTap:
         module = getattr(model, "module", model)
         self.num_labels = int(getattr(module.config, "num_labels", 1))
         head = getattr(module, "score", None)
+        import torch
+
         self.head = head if isinstance(head, torch.nn.Linear) else None
         self.label_index = label_index
 
-    @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B] raw logits (float32) of right-padded rows."""
+        import torch
+
+        with torch.no_grad():
+            return self._scores(input_ids, attention_mask)
+
+    def _scores(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        import torch
+
         n = input_ids.shape[0]
         seen: list[torch.Tensor] = []
         hook = self.head.register_forward_hook(lambda _m, _i, o: seen.append(o)) if self.head is not None else None
@@ -180,6 +194,8 @@ class HeadTap:
 
 def pad_right(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows right-padded: (input_ids, attention_mask), the positions counted from 0 as the model expects."""
+    import torch
+
     width = max(1, max(len(r) for r in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     att = torch.zeros((len(rows), width), dtype=torch.long)
