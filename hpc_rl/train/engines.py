@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
+import types
 import warnings
 
 import torch
@@ -94,8 +96,31 @@ def _scheduler(optimizer, cfg: JobConfig):
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total, t.lr_schedule, t.min_lr_ratio))
 
 
-def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
+MUON_MODULE = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
+def _deepspeed():
+    """deepspeed, with its Muon optimizer's module replaced by a placeholder class.
+
+    DeepSpeed's ZeRO and bf16 optimizers import MuonWithAuxAdam only to check whether the optimizer they wrap is one;
+    importing it decorates Muon's kernels with torch.compile, which imports torch's compiler stack: ~3 CPU-s at
+    every rank's start (a third of a toy rank's engine build). hpc-rl hands DeepSpeed its own optimizer (never Muon),
+    so the check is answered by a class nothing is an instance of."""
     import deepspeed
+
+    if MUON_MODULE not in sys.modules:
+        placeholder = types.ModuleType(MUON_MODULE, "hpc-rl's stand-in: hpc-rl never builds DeepSpeed's Muon")
+
+        class MuonWithAuxAdam:  # noqa: D401 - never instantiated
+            """Nothing hpc-rl builds is an instance of it."""
+
+        placeholder.MuonWithAuxAdam = MuonWithAuxAdam
+        sys.modules[MUON_MODULE] = placeholder
+    return deepspeed
+
+
+def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
+    deepspeed = _deepspeed()
     from transformers import AutoModelForCausalLM
 
     ds = ds_config.render(cfg, world_size, device_kind)
@@ -109,7 +134,7 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
 
 def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
     """A token-classification model with one label: the value of every position."""
-    import deepspeed
+    deepspeed = _deepspeed()
     from transformers import AutoModelForTokenClassification
 
     ds = ds_config.render(cfg, world_size, device_kind)
@@ -127,7 +152,7 @@ def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
 
 def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
     """The frozen initial policy for KL, as a ZeRO-3 inference engine (no optimizer state)."""
-    import deepspeed
+    deepspeed = _deepspeed()
     from transformers import AutoModelForCausalLM
 
     ds = ds_config.render(cfg, world_size, device_kind, train=False)
@@ -143,7 +168,7 @@ def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
 def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
     """The reward model (sequence classifier, frozen) as a ZeRO-3 inference engine: partitioned over the trainer
     ranks like the reference model. Returns (engine, its tokenizer, the head's label to read)."""
-    import deepspeed
+    deepspeed = _deepspeed()
     from transformers import AutoModelForSequenceClassification
 
     from ..rewards.model import check_reward_model
@@ -173,7 +198,7 @@ def params_finite(engine) -> bool:
 def adapter_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """The LoRA adapters of a PEFT-wrapped engine's model under their wire names (models.lora), gathered from
     ZeRO-3 (small: only the adapters). Collective; CPU tensors on rank 0, None elsewhere."""
-    import deepspeed
+    deepspeed = _deepspeed()
 
     from ..models.lora import wire_name
 
@@ -194,7 +219,7 @@ def gather_state_dict(engine, on_rank0_only: bool = True) -> dict[str, torch.Ten
 
     Collective: every rank must call it. Returns CPU tensors on rank 0 (None elsewhere when on_rank0_only).
     """
-    import deepspeed
+    deepspeed = _deepspeed()
 
     model = engine.module
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
