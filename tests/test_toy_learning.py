@@ -61,12 +61,7 @@ def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
     """PPO trained on the tiny reward model only (on the trainer ranks, the job's placement): the rule score it never
     sees (reward.monitor) rises from a random policy's to a last-5 mean >= 0.7 (where trainer.stop_at ends the run).
     The other placements score as the plain model does (tests/test_reward_model_dist.py) and run in a job there."""
-    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-ppo-rm-cpu.yaml"),
-                        "checkpoint.every=0", "trainer.stop_at={monitor_mean: 0.7}"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (run,) = list((tmp_path / "runs").iterdir())
+    run = _run("toy-ppo-rm-cpu.yaml", tmp_path, ["trainer.stop_at={monitor_mean: 0.7}"])
     golden_samples.check("toy-ppo-rm-cpu", run)
     rows = read_metrics(run / "metrics.jsonl")
     monitor = [row["monitor_mean"] for row in rows]
@@ -84,12 +79,7 @@ def test_toy_tool_job_learns_to_call_the_tool(tmp_path):
     to call it and to answer with what it returned: last-5 mean reward >= 0.8 and >= first + 0.6, and a tool-call
     rate >= 0.9 over the last 5 steps (trainer.stop_at ends the run there). Its samples do not depend on timing
     (each turn has its own seed), so it runs beside other tests and its first steps are golden."""
-    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-tool-cpu.yaml"),
-                        "checkpoint.every=0", "trainer.stop_at={reward_mean: 0.8, tool_calls_per_sample: 0.9}"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (run,) = list((tmp_path / "runs").iterdir())
+    run = _run("toy-tool-cpu.yaml", tmp_path, ["trainer.stop_at={reward_mean: 0.8, tool_calls_per_sample: 0.9}"])
     golden_samples.check("toy-tool-cpu", run)
     rows = read_metrics(run / "metrics.jsonl")
     rewards = [row["reward_mean"] for row in rows]
@@ -109,12 +99,7 @@ def test_toy_agent_job_learns_to_look_up(tmp_path):
     trainer.stop_at ends the run (~15 steps), and the reward rises with it. Copying the looked-up digit to a last-5
     reward of 0.8 takes the job's 100 steps (~5 s each here): too long for CI; tests/test_rollout_server.py holds
     the samples to the engine's tokens."""
-    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(REPO / "jobs" / "toy-agent-cpu.yaml"),
-                        "checkpoint.every=0", "trainer.stop_at={agent/looked: 0.9}"],
-                       capture_output=True, text=True, cwd=tmp_path, timeout=1800,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    (run,) = list((tmp_path / "runs").iterdir())
+    run = _run("toy-agent-cpu.yaml", tmp_path, ["trainer.stop_at={agent/looked: 0.9}"])
     rows = read_metrics(run / "metrics.jsonl")
     rewards = [row["reward_mean"] for row in rows]
     looked = [row["agent/looked"] for row in rows]
