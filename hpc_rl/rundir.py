@@ -11,6 +11,7 @@ import fcntl
 import json
 import os
 import secrets
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -131,7 +132,8 @@ class RunDir:
 def write_text_atomic(path: Path, text: str, mode: int | None = None) -> None:
     """Write under a temporary name, flush, rename, flush the directory: readers never see half a file,
     and after a crash the file is the old one or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # pid and thread: two threads of one process writing the same file must not share the temporary name
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
         f.flush()

@@ -361,10 +361,14 @@ class _Mlflow:
             self.client.set_terminated(self.run_id, "FINISHED" if status == "finished" else "FAILED")
 
 
+_IDS_LOCK = threading.Lock()  # W&B and MLflow start in threads of their own and both update tracking.json
+
+
 def _save_ids(run: RunDir, key: str, ids: dict) -> None:
-    data = read_json(run.root / TRACKING_JSON) or {}
-    data[key] = ids
-    write_json_atomic(run.root / TRACKING_JSON, data)
+    with _IDS_LOCK:
+        data = read_json(run.root / TRACKING_JSON) or {}
+        data[key] = ids
+        write_json_atomic(run.root / TRACKING_JSON, data)
 
 
 # --------------------------------------------------------------------------- the tracker thread

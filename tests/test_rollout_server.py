@@ -5,7 +5,6 @@ import json
 import math
 import signal
 import time
-from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
@@ -16,18 +15,16 @@ from safetensors.torch import save
 from hpc_rl.config import TinyModelConfig
 from hpc_rl.data.toy import LOOKUP_CHAT_TEMPLATE
 from hpc_rl.errors import RolloutError
-from hpc_rl.models import load_causal_lm, load_tokenizer
+from hpc_rl.models import load_causal_lm
 from hpc_rl.models.tiny import build_tiny_model
 from hpc_rl.rollout.client.rollout_client import RolloutClient
 from hpc_rl.rollout.testing import make_run, start_server, stop_server
-from hpc_rl.rollout.wire.sampling import SamplingParams
 from tests import server_abuse
 from tests.logprob_checks import local_logprobs, perturbed, served_logprobs
 
 pytestmark = pytest.mark.slow
 
 CORPUS = [f"{i} + {i} = {2 * i}" for i in range(100)]
-REPO = Path(__file__).resolve().parent.parent
 # fp32 on both sides; the server batches (right-padded) while the test runs one unpadded sequence.
 TOL = 1e-5
 
@@ -495,147 +492,3 @@ def test_past_the_in_flight_limit_a_request_is_told_to_come_back(long_srv):
     assert codes == [200, 200] and len(res.outputs) == 1
     assert waited > long_srv.large_s / 2  # it was served after a hog finished, not refused
     assert long_srv.s.get(long_srv.url + "/metrics", timeout=5).json()["refused_busy"] >= 2
-
-
-# --------------------------------------------------------------------------- OpenAI-SDK agents (orchestrator side)
-
-
-async def two_call_agent(client, task, model="policy"):
-    """Asks, appends the reply and a tool message, asks again: one conversation of two calls."""
-    messages = [{"role": "user", "content": task["prompt"]}]
-    first = await client.chat.completions.create(model=model, messages=messages, max_tokens=3)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content},
-                 {"role": "tool", "content": task["answer"]}]
-    second = await client.chat.completions.create(model=model, messages=messages, max_tokens=3)
-    return {"reward": float(len(second.choices[0].message.content)), "metrics": {"calls": 2.0}}
-
-
-async def failing_agent(client, task):
-    """Row 0 raises, row 1 hangs past the timeout, row 2 returns NaN, row 3 a string; the others finish."""
-    import asyncio
-
-    await client.chat.completions.create(model="m", messages=[{"role": "user", "content": task["prompt"]}])
-    how = task["id"]
-    if how == 0:
-        raise KeyError("no such tool")
-    if how == 1:
-        await asyncio.sleep(60)
-    return {2: float("nan"), 3: "great"}.get(how, 1.0)
-
-
-def _agents(srv, agent: str, **rollout):
-    from hpc_rl import config
-    from hpc_rl.orchestrator.agent_front import AgentFront
-    from hpc_rl.orchestrator.agents import AgentRollout
-    from hpc_rl.rollout.wire.protocol import RequestLimits
-
-    overrides = [f"rollout.agent={agent}", "rollout.agent_kwargs={}", "rollout.max_model_len=32",
-                 *(f"rollout.{k}={v}" for k, v in rollout.items())]
-    cfg = config.load(str(REPO / "jobs" / "toy-agent-cpu.yaml"), overrides)
-    tok = load_tokenizer(str(srv.model_dir))
-    client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=60, retries=0)
-    front = AgentFront(tok, client, [tok.eos_token_id], RequestLimits(32), len(tok), srv.run.read_token(), "m")
-    return AgentRollout(cfg, front), tok, client
-
-
-def test_an_agents_calls_are_one_sequence_on_the_engines_tokens(srv):
-    """Two appended chat calls per episode, through the real openai SDK and the agent front: each episode is one
-    sample whose prompt is the first call's, whose response is both completions (trained) around the tool message's
-    tokens (masked); every completion is what /generate samples for the same prompt ids and seed, and the second
-    call's prompt holds the first completion's ids as the engine made them (not its text tokenized again)."""
-    from hpc_rl.orchestrator.agents import agent_batch
-    from hpc_rl.rollout.wire.openai_api import Defaults
-
-    agents, tok, client = _agents(srv, "tests.test_rollout_server:two_call_agent")
-    rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
-    try:
-        results = agents.run(rows, 0, lambda ep, k: 1000 * ep + k, Defaults(3, 1.0, 1.0, -1))
-    finally:
-        agents.front.shutdown()
-    for i, r in enumerate(results):
-        assert r.error is None and len(r.calls) == 2 and len(r.samples) == 1, r
-        first, second = r.calls
-        text = tok.apply_chat_template([{"role": "user", "content": rows[i]["prompt"]}], tokenize=False,
-                                       add_generation_prompt=True)
-        assert first.prompt_ids == tok(text, add_special_tokens=False)["input_ids"]
-        assert second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] == \
-            first.prompt_ids + first.completion_ids
-        obs = second.prompt_ids[len(first.prompt_ids) + len(first.completion_ids):]
-        assert tok.decode(obs, skip_special_tokens=True).replace(" ", "") == f"={rows[i]['answer']}"
-        s = r.samples[0]
-        assert s.prompt == first.prompt_ids
-        assert s.response == first.completion_ids + obs + second.completion_ids
-        assert s.loss_mask == [1] * len(first.completion_ids) + [0] * len(obs) + [1] * len(second.completion_ids)
-        for k, call in enumerate(r.calls):  # the engine's own tokens and log-probs for that prompt and seed
-            again = client.generate([call.prompt_ids], SamplingParams(max_new_tokens=3, seeds=[1000 * i + k],
-                                                                      stop_token_ids=[tok.eos_token_id]), step=0)
-            assert again.outputs[0][0].token_ids == call.completion_ids
-            assert again.outputs[0][0].logprobs == pytest.approx(call.logprobs, abs=1e-5)
-        assert r.reward == float(len(tok.decode(second.completion_ids, skip_special_tokens=True)))
-        assert r.metrics == {"calls": 2.0}
-    batch, texts, stats = agent_batch(results, rows, 2, 0, [[1, 2], [3, 4]], tok)
-    assert len(batch) == 4 and batch.group_ids == [0, 0, 1, 1] and batch.reward_parts["environment"] == [
-        r.reward for r in results]
-    assert stats == {"agent/failed_frac": 0.0, "agent/calls_per_episode": 2.0, "agent/samples_per_episode": 1.0,
-                     "agent/calls": 2.0}
-
-
-def test_agents_that_raise_hang_or_return_no_number_lose_only_their_episode(srv, caplog):
-    """Each failure is one warning line and a lost episode (kept as an untrained slot with its group's mean reward);
-    past rollout.agent_max_failed_frac the step is a one-line error naming the key."""
-    from hpc_rl.errors import RewardError
-    from hpc_rl.orchestrator.agents import agent_batch
-    from hpc_rl.rollout.wire.openai_api import Defaults
-
-    rows = [{"id": i, "prompt": f"{i} + {i}"} for i in range(6)]
-    agents, tok, _ = _agents(srv, "tests.test_rollout_server:failing_agent", agent_timeout_s=3,
-                             agent_max_failed_frac=0.7)
-    try:
-        results = agents.run(rows, 4, lambda ep, k: ep, Defaults(3))
-    finally:
-        agents.front.shutdown()
-    errors = [r.error for r in results]
-    assert errors[0] == "raised KeyError: 'no such tool'"
-    assert errors[1] == "ran past rollout.agent_timeout_s (3 s)"
-    assert errors[2].startswith("returned the reward nan") and errors[3].startswith("returned the reward 'great'")
-    assert errors[4:] == [None, None]
-    assert "step 5: agent episode 0 (row 0) lost: raised KeyError" in caplog.text
-    batch, texts, stats = agent_batch(results, rows, 3, 4, [[5], [6]], tok)
-    # group 0 (rows 0-2) lost all three: reward 0; group 1: row 3 lost -> the mean of rows 4 and 5 (1.0)
-    assert batch.reward_parts["environment"] == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
-    assert batch.loss_masks[:4] == [[0], [0], [0], [0]] and batch.prompts[:4] == [[5], [5], [5], [6]]
-    assert stats["agent/failed_frac"] == pytest.approx(4 / 6) and texts[:4] == ["", "", "", ""]
-
-    agents, _, _ = _agents(srv, "tests.test_rollout_server:failing_agent", agent_timeout_s=3,
-                           agent_max_failed_frac=0.5)
-    try:
-        with pytest.raises(RewardError, match=r"step 2: 4 of 6 agent episodes failed, more than "
-                                              r"rollout.agent_max_failed_frac 0.5 \(first: raised KeyError"):
-            agents.run(rows, 1, lambda ep, k: ep, Defaults(3))
-    finally:
-        agents.front.shutdown()
-
-
-def test_the_agent_front_over_http_with_the_openai_sdk(srv):
-    """The front's URL answers the SDK as a server does: the run token as the key (401 otherwise), the models list,
-    a recorded chat call, 400 with a one-line message for an episode that is not running."""
-    import openai
-
-    from hpc_rl.rollout.wire.openai_api import Defaults
-
-    agents, tok, _ = _agents(srv, "tests.test_rollout_server:two_call_agent")
-    front = agents.front
-    try:
-        front.open("e1", lambda k: 7 + k, Defaults(3), 0)
-        sdk = openai.OpenAI(base_url=front.url("e1"), api_key=srv.run.read_token(), max_retries=0)
-        assert [m.id for m in sdk.models.list().data] == ["m"]
-        out = sdk.chat.completions.create(model="any", messages=[{"role": "user", "content": "1 + 1"}])
-        (call,) = front.close("e1")
-        assert out.choices[0].message.content == tok.decode(call.completion_ids, skip_special_tokens=True)
-        with pytest.raises(openai.BadRequestError, match="episode e1: not running"):
-            sdk.chat.completions.create(model="any", messages=[{"role": "user", "content": "1 + 1"}])
-        bad = openai.OpenAI(base_url=front.url("e1"), api_key="wrong", max_retries=0)
-        with pytest.raises(openai.AuthenticationError, match="run token"):
-            bad.models.list()
-    finally:
-        front.shutdown()
