@@ -15,6 +15,7 @@ reply's text tokenized again. So an agent that appends is one sequence on the en
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -123,15 +124,15 @@ class AgentFront:
 
     def call(self, episode: str, route: str, body) -> dict:
         """A chat or text completion for `episode`, recorded; BadRequest for what the agent got wrong."""
-        ep, req, fut = self._begin(episode, route, body)
-        return self._end(ep, route, body, req, *fut.result())
+        ep, req, msgs, fut = self._begin(episode, route, body)
+        return self._end(ep, route, req, msgs, *fut.result())
 
     async def acall(self, episode: str, route: str, body) -> dict:
         """`call` for an agent's in-process client: the event loop goes on while the wave is generated."""
         import asyncio
 
-        ep, req, fut = self._begin(episode, route, body)
-        return self._end(ep, route, body, req, *await asyncio.wrap_future(fut))
+        ep, req, msgs, fut = self._begin(episode, route, body)
+        return self._end(ep, route, req, msgs, *await asyncio.wrap_future(fut))
 
     def request(self, method: str, path: str, auth: str, raw: bytes) -> tuple[int, dict, tuple | None]:
         """An HTTP request as (status, error body, None), or (200, {}, (episode, route, body)) to be answered by
@@ -161,11 +162,13 @@ class AgentFront:
         if ep is None:
             raise BadRequest(f"episode {episode}: not running (it finished or timed out); a client of an episode "
                              "serves only that episode")
+        msgs: list[dict] = []  # a chat call's messages as parse_chat checked them
         if route == "chat/completions":
             if self.fmt is None:
                 raise BadRequest("messages: the policy's tokenizer has no chat template; call /v1/completions with text")
 
             def render(messages: list[dict]) -> list[int]:
+                msgs[:] = messages
                 chained = self._continuation(ep, messages)
                 if chained is not None:
                     return chained
@@ -182,24 +185,22 @@ class AgentFront:
         with self._lock:
             k = ep.issued
             ep.issued += 1
-        params = SamplingParams(n=1, max_new_tokens=req.params.max_new_tokens, temperature=req.params.temperature,
-                                top_p=req.params.top_p, top_k=req.params.top_k, stop_token_ids=list(self.stop_ids),
-                                seeds=[ep.seed_of_call(k)])
+        params = dataclasses.replace(req.params, stop_token_ids=list(self.stop_ids), seed=None,
+                                     seeds=[ep.seed_of_call(k)])
         fut: Future = Future()
         with self._lock:
             ep.waiting += 1
             self._pending.append(_Pending(req.prompts[0], params, ep.step, fut))
             self._lock.notify_all()
-        return ep, req, fut
+        return ep, req, msgs, fut
 
-    def _end(self, ep: Episode, route: str, body, req, out, version) -> dict:
+    def _end(self, ep: Episode, route: str, req, msgs: list[dict], out, version) -> dict:
         call = Call(list(req.prompts[0]), list(out.token_ids), list(out.logprobs), int(version), out.finish_reason)
         text = self._decode(out.token_ids)
         with self._lock:
             ep.waiting -= 1
             ep.calls.append(call)
             if route == "chat/completions":
-                msgs = openai_api.check_messages(body["messages"])
                 ep.messages = [_plain(m) for m in msgs] + [{"role": "assistant", "content": text}]
                 ep.ids = call.prompt_ids + call.completion_ids
                 last = out.token_ids[-1] if out.token_ids else None
@@ -207,30 +208,19 @@ class AgentFront:
         respond = openai_api.chat_response if route == "chat/completions" else openai_api.completion_response
         return respond(req, [[out]], self._decode, self.model_name, int(version))
 
-    @staticmethod
-    def answer(work) -> tuple[int, dict]:
-        """(status, body) of `work()` (a call): 400 for the agent's mistakes, 503 for the run's side, 500 else."""
+    def answer(self, episode: str, route: str, body) -> tuple[int, dict]:
+        """(status, body) of `call`: an API error for the agent when it raises (the run logs an unexpected one)."""
         try:
-            return 200, work()
-        except BadRequest as e:
-            return _error(400, str(e))[:2]
-        except HpcRlError as e:
-            return _error(503, first_line(e))[:2]
-        except Exception as e:  # noqa: BLE001 - the agent gets an API error; the run logs what failed
-            log.warning("agent front: a call failed: %s: %s", type(e).__name__, first_line(e))
-            return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
+            return 200, self.call(episode, route, body)
+        except Exception as e:  # noqa: BLE001 - the agent gets an API error, not the run
+            return _failure(e)
 
     async def aanswer(self, episode: str, route: str, body) -> tuple[int, dict]:
         """`answer` of an in-process call."""
         try:
             return 200, await self.acall(episode, route, body)
-        except BadRequest as e:
-            return _error(400, str(e))[:2]
-        except HpcRlError as e:
-            return _error(503, first_line(e))[:2]
-        except Exception as e:  # noqa: BLE001
-            log.warning("agent front: a call failed: %s: %s", type(e).__name__, first_line(e))
-            return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
+        except Exception as e:  # noqa: BLE001 - as answer
+            return _failure(e)
 
     def _continuation(self, ep: Episode, messages: list[dict]) -> list[int] | None:
         """The prompt ids of a call that appends to the episode's last chat call (see the module's docstring)."""
@@ -286,10 +276,7 @@ class AgentFront:
                 self._waves.submit(self._run_wave, wave)
 
     def _run_wave(self, wave: list[_Pending]) -> None:
-        first = wave[0].params
-        params = SamplingParams(n=1, max_new_tokens=first.max_new_tokens, temperature=first.temperature,
-                                top_p=first.top_p, top_k=first.top_k, stop_token_ids=list(first.stop_token_ids),
-                                seeds=[p.params.seeds[0] for p in wave])
+        params = dataclasses.replace(wave[0].params, seeds=[p.params.seeds[0] for p in wave])
         try:
             res = self.client.generate([p.prompt for p in wave], params, step=wave[0].step)
         except BaseException as e:  # every call of the wave fails with the cause (the agent sees an API error)
@@ -305,10 +292,17 @@ class AgentFront:
 
 
 def _error(status: int, message: str) -> tuple[int, dict, None]:
-    """OpenAI's error shape, so that the SDK's exception carries the message."""
-    kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error"}.get(status, "server_error")
-    return status, {"error": {"message": message, "type": kind, "code": status}}, None
+    return status, openai_api.error_body(status, message), None
+
+
+def _failure(e: Exception) -> tuple[int, dict]:
+    """(status, body) of a call that raised: 400 for the agent's mistakes, 503 for the run's side, 500 else."""
+    if isinstance(e, BadRequest):
+        return _error(400, str(e))[:2]
+    if isinstance(e, HpcRlError):
+        return _error(503, first_line(e))[:2]
+    log.warning("agent front: a call failed: %s: %s", type(e).__name__, first_line(e))
+    return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
 
 
 def _plain(m: dict) -> dict:
@@ -350,7 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
         raw = self.rfile.read(size) if size else b""
         status, body, work = self.owner.request(method, self.path, self.headers.get("Authorization", ""), raw)
         if work is not None:
-            status, body = self.owner.answer(lambda: self.owner.call(*work))
+            status, body = self.owner.answer(*work)
         self._send(status, body)
 
     def do_GET(self) -> None:

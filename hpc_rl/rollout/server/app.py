@@ -26,7 +26,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ...errors import HpcRlError, first_line
-from ..wire import protocol
+from ..wire import openai_api, protocol
 from ..wire.protocol import NOT_FINITE_KIND, BadRequest, Busy, Draining, PolicyNotFinite
 
 log = logging.getLogger("hpc_rl")
@@ -50,16 +50,12 @@ def json_response(obj, status: int = 200, close: bool = False, headers: dict | N
 # The OpenAI-compatible routes answer errors in OpenAI's shape ({"error": {"message", "type", "code"}}): the SDK puts
 # error.message in its exception; the other routes answer {"error": "one line"}, which hpc-rl's clients read.
 OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
-                 503: "service_unavailable_error"}
 
 
 def error_json(path: str, status: int, message: str, **extra) -> dict:
     """The error body of `path`: OpenAI's shape on the OpenAI-compatible routes, {"error": message} elsewhere."""
     if path.rstrip("/") in OPENAI_PATHS:
-        return {"error": {"message": message, "type": _OPENAI_TYPES.get(status, "server_error"), "code": status,
-                          **extra}}
+        return openai_api.error_body(status, message, **extra)
     return {"error": message, **extra}
 
 

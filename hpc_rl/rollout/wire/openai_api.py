@@ -213,6 +213,17 @@ def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable
     return out
 
 
+# OpenAI's error types by HTTP status; the SDK raises its exception by status and carries error.message.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error"}
+
+
+def error_body(status: int, message: str, **extra) -> dict:
+    """An error in OpenAI's shape: {"error": {"message", "type", "code"}}."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status, **extra}}
+
+
 def models_response(model: str, version: int, max_model_len: int, started: float) -> dict:
     """GET /v1/models: the one policy this server serves."""
     return {"object": "list", "data": [{"id": model, "object": "model", "created": int(started), "owned_by": "hpc-rl",
