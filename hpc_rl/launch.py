@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import config, rundir, tracking
 from .config import JobConfig
+from .config.resume import check_resume
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
 from .errors import ConfigError, HpcRlError
@@ -465,14 +466,22 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     return code
 
 
+def resume_config(run: RunDir, overrides: list[str]) -> JobConfig:
+    """The run's job with `overrides` (its size may change, its model and the like may not: config/resume.py),
+    written back as the run's job.yaml."""
+    cfg = config.load(run.job_yaml, overrides)
+    if overrides:
+        check_resume(config.load(run.job_yaml), cfg)
+        run.job_yaml.write_text(config.dump(cfg))
+    return cfg
+
+
 def run_local_job(job_path: str, overrides: list[str], resume: str | None = None) -> int:
     """`hpc-rl run JOB.yaml [overrides] [--resume RUN_DIR]`."""
     setup_logging(0)
     if resume:
         run = rundir.find(resume)
-        cfg = config.load(run.job_yaml, overrides)
-        if overrides:
-            run.job_yaml.write_text(config.dump(cfg))
+        cfg = resume_config(run, overrides)
         log.info("resuming %s", run.root)
     else:
         run, cfg = prepare_run(job_path, overrides)

@@ -87,7 +87,7 @@ def rl_step(step: int, cfg: JobConfig, dist, learner, orch) -> dict:
     t_wait = time.time() - t_start
     learner.score_with_reward_model(batch)  # 3: a reward model on the trainer ranks
     scores = on_rank0(dist, orch, lambda: orch.scores(batch))  # the reward parts combined and shaped in step order
-    shard = learner.shard(batch, scores)  # 4: this rank's samples
+    shard = learner.shard(step, batch, scores)  # 4: this rank's samples
     t0 = time.time()
     fwd = learner.forwards(shard)  # 5: old and reference log-probs, values
     t_fwd = time.time() - t0

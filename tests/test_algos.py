@@ -463,7 +463,7 @@ def test_async_steps_and_rollout_correction_config():
 def test_the_sum_aggregations_by_hand():
     """verl's token-sum, seq-mean-token-sum and seq-mean-token-sum-norm (Dr. GRPO), and that micro-batch weights
     rebuild each one from parts."""
-    from hpc_rl.algos.losses import AGG_MODES, micro_batch_weight
+    from hpc_rl.algos.losses import AGG_MODES, aggregate_count, micro_batch_weight
 
     loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
     mask = T([[1, 1, 1], [1, 0, 0], [0, 0, 0]])        # third row empty: not a sequence of any seq_ mode
@@ -482,7 +482,8 @@ def test_the_sum_aggregations_by_hand():
     close(aggregate(same, lengths, "seq_mean_token_sum_norm", 4.0), (4 / 4 + 1 / 4) / 2)
     for mode in AGG_MODES:
         parts = [(slice(0, 1)), (slice(1, 3))]
-        rebuilt = sum(float(aggregate(loss[p], mask[p], mode, 4.0)) * micro_batch_weight(mask[p], mask, mode) for p in parts)
+        rebuilt = sum(float(aggregate(loss[p], mask[p], mode, 4.0)) * micro_batch_weight(mask[p], aggregate_count(mask, mode), mode)
+                      for p in parts)
         assert rebuilt == pytest.approx(float(aggregate(loss, mask, mode, 4.0))), mode
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hpc_rl import config
-from hpc_rl.algos.losses import actor_loss, micro_batch_weight
+from hpc_rl.algos.losses import actor_loss, aggregate_count, micro_batch_weight
 from hpc_rl.train import experience
 from hpc_rl.train.experience import pack, policy_forward, token_logprobs
 from hpc_rl.train.micro_batches import _cost, _cut, _greedy, _least_padding, plan, row_lengths, token_counts
@@ -90,10 +90,15 @@ def test_fixed_micro_batches_hold_micro_size_rows():
 
 def test_micro_batch_weight_by_hand():
     mini = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
-    assert micro_batch_weight(mini[:2], mini, "token_mean") == pytest.approx(3 / 6)
-    assert micro_batch_weight(mini[2:], mini, "seq_mean") == pytest.approx(1 / 3)
-    assert micro_batch_weight(mini[2:3], mini[2:3], "token_mean") == 0.0
-    assert micro_batch_weight(mini[:2], mini, "token_sum") == 1.0 and micro_batch_weight(mini[:2], mini, "token_sum", 2) == 2.0
+    assert (aggregate_count(mini, "token_mean"), aggregate_count(mini, "seq_mean")) == (6.0, 3.0)
+    assert aggregate_count(mini, "token_sum") == 0.0
+    assert micro_batch_weight(mini[:2], 6.0, "token_mean") == pytest.approx(3 / 6)
+    assert micro_batch_weight(mini[2:], 3.0, "seq_mean") == pytest.approx(1 / 3)
+    assert micro_batch_weight(mini[2:3], 0.0, "token_mean") == 0.0
+    assert micro_batch_weight(mini[:2], 6.0, "token_sum") == 1.0 and micro_batch_weight(mini[:2], 6.0, "token_sum", 2) == 2.0
+    # Two ranks, this one with 3 of the mini-batch's 9 tokens (the other rank holds 3 more): DeepSpeed averages the
+    # two ranks' gradients, so each rank's share is doubled: 2 x 3 / 9.
+    assert micro_batch_weight(mini[:2], 9.0, "token_mean", 2) == pytest.approx(2 * 3 / 9)
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -151,7 +156,7 @@ def _grads_and_loss(model, batch, a, micro_batches, old_from_forward: bool):
         logp, ent = policy_forward(model, mb.batch, with_entropy=True)
         old = old_full[idx, :w] if old_from_forward else logp.detach()
         loss, _ = actor_loss(logp, ent, old, None, adv[idx, :w], mask, a, 0.0)
-        weighted = loss * micro_batch_weight(mask, batch.response_mask, a.loss_agg)
+        weighted = loss * micro_batch_weight(mask, aggregate_count(batch.response_mask, a.loss_agg), a.loss_agg)
         weighted.backward()
         total += float(weighted.detach())
     return total, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -228,3 +233,19 @@ def test_old_logprob_forward_is_skipped_only_where_it_cannot_change_the_result(o
     # Importance weights at another temperature need a temperature-1 forward before the update.
     cfg.rollout.temperature = 0.7
     assert needs_old_logprobs_forward(cfg, use_ref, "tis", _Cfg()) is True
+
+
+def test_mini_batches_are_the_same_samples_at_any_number_of_ranks():
+    """update.mini_batch_rows: each rank's share of mini-batch k, over all ranks, is one rank's mini-batch k."""
+    from hpc_rl.train.update import mini_batch_rows
+
+    n, mb = 24, 8
+    one = mini_batch_rows(n, mb, 1, 0, seed=3, step=5).tolist()
+    assert sorted(one) == list(range(n)) and one != list(range(n))  # shuffled, each sample once
+    for world in (2, 4):
+        per = mb // world
+        shares = [mini_batch_rows(n, mb, world, r, seed=3, step=5).tolist() for r in range(world)]
+        assert sorted(sum(shares, [])) == list(range(n))
+        for k in range(n // mb):
+            assert sum((s[k * per:(k + 1) * per] for s in shares), []) == one[k * mb:(k + 1) * mb]
+    assert mini_batch_rows(n, mb, 1, 0, seed=3, step=6).tolist() != one  # another step, another order

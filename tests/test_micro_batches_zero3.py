@@ -60,7 +60,7 @@ def _one_update(rank: int, model_dir: str, out_dir: str, budget: int) -> dict:
     batch = RolloutBatch(step=0, prompts=prompts, responses=responses, loss_masks=[[1] * len(r) for r in responses],
                          rollout_logprobs=[[0.0] * len(r) for r in responses], versions=[0] * n, truncated=[False] * n,
                          group_ids=list(range(n)), prompt_ids=list(range(n)))
-    shard = trainer.shard(batch, scores)
+    shard = trainer.shard(0, batch, scores)
     counts = []  # micro-batches of each planned pass (no-grad forwards, then the one mini-batch)
     plan = trainer.micro_batches
     trainer.micro_batches = lambda batch, rows: counts.append(len(out := plan(batch, rows))) or out

@@ -44,24 +44,31 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token_mea
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
 
 
-def micro_batch_weight(micro_mask: torch.Tensor, mini_batch_mask: torch.Tensor, mode: str = "token_mean",
-                       ranks: int = 1) -> float:
-    """The factor that turns a micro-batch's aggregate into its share of the mini-batch's aggregate.
-
-    token_mean: its valid tokens / the mini-batch's; the per-sequence modes: its rows with tokens / the mini-batch's;
-    token_sum: `ranks` (sums add up, and DeepSpeed averages the data-parallel ranks' gradients: this makes it their
-    sum). The weighted micro-batch losses then sum to the loss of the whole mini-batch however it is cut (as verl's
-    loss_scale_factor with dynamic batch sizes), instead of a mean of micro-batch means.
-    """
+def aggregate_count(mask: torch.Tensor, mode: str) -> float:
+    """What a loss aggregation divides by: valid tokens (token_mean), rows with tokens (the per-sequence modes),
+    nothing (token_sum: 0)."""
     if mode == "token_mean":
-        part, whole = micro_mask.sum(), mini_batch_mask.sum()
-    elif mode in _PER_SEQUENCE:
-        part, whole = (micro_mask != 0).any(-1).sum(), (mini_batch_mask != 0).any(-1).sum()
-    elif mode == "token_sum":
+        return float(mask.sum())
+    if mode in _PER_SEQUENCE:
+        return float((mask != 0).any(-1).sum())
+    if mode == "token_sum":
+        return 0.0
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, whole: float, mode: str = "token_mean", ranks: int = 1) -> float:
+    """The factor that turns a micro-batch's aggregate into its share of the mini-batch's aggregate over all ranks.
+
+    `whole`: the mini-batch's aggregate_count summed over the `ranks` data-parallel ranks. token_mean: ranks x its
+    valid tokens / whole; the per-sequence modes: ranks x its rows with tokens / whole; token_sum: ranks. DeepSpeed
+    averages the ranks' gradients, hence the factor `ranks`. The weighted micro-batch losses of all ranks then sum to
+    the loss of the whole mini-batch however it is cut over ranks and micro-batches (as verl's loss_scale_factor
+    with dynamic batch sizes and its global token count), instead of a mean of per-rank or per-micro-batch means:
+    a run takes the same optimizer steps at any number of ranks.
+    """
+    if mode == "token_sum":
         return float(ranks)
-    else:
-        raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
-    return float(part) / float(whole) if float(whole) > 0 else 0.0
+    return ranks * aggregate_count(micro_mask, mode) / whole if whole > 0 else 0.0
 
 
 def _float(x: torch.Tensor) -> float:

@@ -10,6 +10,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +20,7 @@ from ..errors import CheckpointError
 from ..orchestrator.batch import RolloutBatch
 from ..rundir import RunDir, fsync_tree, write_json_atomic, write_text_atomic
 from .distributed import barrier
+from .reshape import load_universal, reshape_message, universal_folder, written_world_size
 
 log = logging.getLogger("hpc_rl")
 
@@ -125,14 +127,24 @@ def load_pending(path: Path) -> list[RolloutBatch]:
     return [RolloutBatch.from_json(b) for b in json.loads(f.read_text())] if f.is_file() else []
 
 
-def load(path: Path, engines: dict) -> dict:
-    """Load every engine's DeepSpeed state (collective) and return the trainer state."""
+def load(path: Path, engines: dict, world_size: int, rank: int) -> dict:
+    """Load every engine's DeepSpeed state (collective) and return the trainer state. A checkpoint written by another
+    number of ranks under ZeRO 1-3 is loaded through DeepSpeed's universal checkpoint (reshape.py), converted once."""
+    state = json.loads((path / "trainer_state.json").read_text())
+    t0, reshaped, written = time.time(), [], None
     for name, engine in engines.items():
-        load_path, _ = engine.load_checkpoint(str(path / "deepspeed" / name), tag="state",
-                                              load_module_strict=not _has_frozen(engine),
-                                              load_optimizer_states=True,
-                                              load_lr_scheduler_states=True)
+        strict = not _has_frozen(engine)
+        written = written_world_size(path / "deepspeed" / name / "state")
+        if written is not None and written != world_size:
+            load_path = load_universal(engine, universal_folder(path, name, rank), strict)
+            reshaped.append(name)
+        else:
+            load_path, _ = engine.load_checkpoint(str(path / "deepspeed" / name), tag="state",
+                                                  load_module_strict=strict, load_optimizer_states=True,
+                                                  load_lr_scheduler_states=True)
         if load_path is None:
             raise CheckpointError(f"{path}: no DeepSpeed state for {name}; the checkpoint is incomplete — "
                                   "remove it to resume from an older one")
-    return json.loads((path / "trainer_state.json").read_text())
+    if reshaped and rank == 0:
+        log.info(reshape_message(written, world_size, time.time() - t0, reshaped))
+    return state

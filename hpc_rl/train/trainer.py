@@ -43,7 +43,7 @@ from .engines import (
 )
 from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward, without_truncated
 from .micro_batches import MicroBatch, plan, token_counts
-from .update import Forwards, Shard, injected_nan_steps, ppo_update
+from .update import Forwards, Shard, injected_nan_steps, mini_batch_rows, ppo_update
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
@@ -143,7 +143,7 @@ class Trainer:
         path = broadcast_object(str(path) if path else None)
         if path is None:
             return None
-        state = checkpoint.load(Path(path), self.engines)
+        state = checkpoint.load(Path(path), self.engines, self.dist.world_size, self.dist.rank)
         self.step = self.policy_version = state["step"]
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.dist.is_main:
@@ -174,17 +174,19 @@ class Trainer:
             log.debug("reward model: %d samples on this rank in %d forward(s) of <= %d, longest %d tokens, %.2fs",
                       per_rank, forwards, rm.batch_size, max(map(len, mine), default=0), time.time() - t0)
 
-    def shard(self, batch: RolloutBatch, scores: list[float]) -> Shard:
-        """This rank's contiguous 1/world of the samples, packed on its device."""
+    def shard(self, step: int, batch: RolloutBatch, scores: list[float]) -> Shard:
+        """This rank's 1/world of the samples (its share of each mini-batch: update.mini_batch_rows), packed on its
+        device."""
         dist = self.dist
-        per_rank = len(batch) // dist.world_size
-        rows = slice(dist.rank * per_rank, (dist.rank + 1) * per_rank)
-        responses, masks = batch.responses[rows], batch.loss_masks[rows]
+        rows = mini_batch_rows(len(batch), self.cfg.trainer.mini_batch_size, dist.world_size, dist.rank,
+                               self.cfg.seed, step)
+        idx = rows.tolist()
+        responses, masks = [batch.responses[i] for i in idx], [batch.loss_masks[i] for i in idx]
         if self.cfg.algorithm.mask_truncated:
-            masks = without_truncated(responses, batch.truncated[rows], masks)
-        packed = pack(batch.prompts[rows], responses, self.tokenizer.pad_token_id, masks)
+            masks = without_truncated(responses, [batch.truncated[i] for i in idx], masks)
+        packed = pack([batch.prompts[i] for i in idx], responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
-        rollout_lp = pad_rows(batch.rollout_logprobs[rows], packed.responses.shape[1])
+        rollout_lp = pad_rows([batch.rollout_logprobs[i] for i in idx], packed.responses.shape[1])
         self._tokens = [0, 0]
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
                      rollout_lp.to(dist.device))
@@ -331,7 +333,8 @@ class Trainer:
         if self.cfg.checkpoint.save_hf:
             hf_sd = adapter_state_dict(self.actor) if self.lora else gather_state_dict(self.actor)
         state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": shaper,
-                 "seed": self.cfg.seed}
+                 "seed": self.cfg.seed, "world_size": self.dist.world_size,
+                 "zero_stage": self.cfg.trainer.zero_stage}
         path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
                                self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank, pending,
                                lora=self.cfg.model.lora, base_path=str(self.cfg.model.path))

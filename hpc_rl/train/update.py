@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..algos.losses import actor_loss, micro_batch_weight, value_loss
+from ..algos.losses import actor_loss, aggregate_count, micro_batch_weight, value_loss
+from .distributed import all_reduce_scalar
 from .experience import Batch, policy_forward, value_forward
 from .micro_batches import MicroBatch
 
@@ -31,13 +32,25 @@ def injected_nan_steps() -> set[tuple[int, int]]:
 
 @dataclass
 class Shard:
-    """This rank's contiguous slice of the step's samples."""
+    """This rank's samples of the step, in the order its update takes them (mini_batch_rows)."""
 
     batch: Batch  # token ids and masks, on this rank's device
-    rows: slice  # its rows among all the step's samples
+    rows: torch.Tensor  # [B] its rows among all the step's samples (int64)
     all_scores: torch.Tensor  # [N] every sample's (shaped) score, on CPU
     scores: torch.Tensor  # [B] this shard's scores, on this rank's device
     rollout_logprobs: torch.Tensor  # [B, R] the rollout engine's log-probs of the sampled tokens (behaviour policy)
+
+
+def mini_batch_rows(samples: int, mini_batch_size: int, world: int, rank: int, seed: int, step: int) -> torch.Tensor:
+    """This rank's rows of the step's samples, in the order its first PPO epoch takes them: the samples shuffled once
+    (the same permutation at any number of ranks), cut into mini-batches of trainer.mini_batch_size, and each
+    mini-batch split evenly over the ranks. A mini-batch is then the same set of samples whatever the number of
+    ranks: with the loss weighted over all ranks (micro_batch_weight), a run resumed on another number of trainer
+    ranks takes the optimizer steps the uninterrupted run would, up to float summation order."""
+    order = np.random.default_rng([seed, step]).permutation(samples)
+    per_rank = mini_batch_size // world
+    mine = [order[k + rank * per_rank:k + (rank + 1) * per_rank] for k in range(0, samples, mini_batch_size)]
+    return torch.as_tensor(np.concatenate(mine), dtype=torch.long)
 
 
 @dataclass
@@ -79,13 +92,16 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
     if t.critic is not None:
         t.critic.train()
     use_kl_loss = t.use_ref and not a.kl_in_reward
-    for _epoch in range(a.ppo_epochs):
-        order = torch.as_tensor(rng.permutation(n))
+    for epoch in range(a.ppo_epochs):
+        # The first epoch takes the shard's rows in order (mini_batch_rows made its mini-batches the same at any
+        # number of ranks); later epochs reshuffle this rank's rows.
+        order = torch.arange(n) if epoch == 0 else torch.as_tensor(rng.permutation(n))
         for mb_start in range(0, n, per_rank_mb):
             opt_step += 1
             poison = (step + 1, opt_step) in t.inject_nan
             rows = order[mb_start:mb_start + per_rank_mb].to(batch.input_ids.device)
             mini_mask = batch.response_mask[rows]
+            whole = all_reduce_scalar(aggregate_count(mini_mask, a.loss_agg))  # over all ranks
             mbs: list[MicroBatch] = t.micro_batches(batch, rows)
             for j, mb in enumerate(mbs):
                 # The optimizer steps after the last micro-batch, however many the token budget made.
@@ -93,7 +109,7 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                     engine.set_gradient_accumulation_boundary(j == len(mbs) - 1)
                 idx, w = mb.rows, mb.response_width
                 mask = mb.batch.response_mask
-                weight = micro_batch_weight(mask, mini_mask, a.loss_agg, dist.world_size)
+                weight = micro_batch_weight(mask, whole, a.loss_agg, dist.world_size)
                 logp, ent = policy_forward(t.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
                 if fill_old:  # before this mini-batch's (only) optimizer step: these are the old log-probs
                     old_lp[idx, :w] = logp.detach()
