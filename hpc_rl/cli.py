@@ -29,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("submit", help="submit the job to Slurm (submitit)")
     _add_job(p)
     p.add_argument("--dry-run", action="store_true", help="print the sbatch script and node roles; submit nothing")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="a new job for this run dir, from its latest checkpoint (overrides may change its size)")
 
     p = sub.add_parser("status", help="list runs with their Slurm state, step and last reward")
     p.add_argument("run", nargs="?", help="a run name or run dir (default: all runs)")
@@ -125,7 +127,7 @@ def dispatch(args: argparse.Namespace) -> int:
         return run_local_job(args.job, args.overrides, resume=args.resume)
     if args.command == "submit":
         from .cluster.submit import submit_job
-        return submit_job(args.job, args.overrides, dry_run=args.dry_run)
+        return submit_job(args.job, args.overrides, dry_run=args.dry_run, resume=args.resume)
     if args.command == "status":
         from .cluster.status import show_status
         return show_status(args.run, runs_dir=args.runs_dir, as_json=args.json)

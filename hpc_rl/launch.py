@@ -430,6 +430,13 @@ def _local_cpus(cfg: JobConfig) -> tuple[list[int] | None, list[int] | None]:
 def run_local(run: RunDir, cfg: JobConfig) -> int:
     """The whole job on this machine: rollout server(s), then the trainer ranks; waits for the end."""
     clear_rendezvous(run)
+    if isinstance(cfg.trainer.nodes, str):  # a node range (a Slurm job that got one node): its ranks resolve it
+        cfg.trainer.nodes = 1
+    elif cfg.trainer.nodes != 1:
+        log.warning("trainer.nodes=%s: a local run uses this machine only (%d ranks)", cfg.trainer.nodes,
+                    cfg.trainer.procs_per_node)
+        cfg.trainer.nodes = 1
+        run.job_yaml.write_text(config.dump(cfg))
     n_servers = cfg.rollout_servers
     servers: list[subprocess.Popen] = []
     trainers: list[subprocess.Popen] = []
@@ -449,11 +456,6 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
         servers = keeper.procs
         log.info("run dir %s: %d rollout server(s)%s, %d trainer rank(s)", run.root, n_servers,
                  f", {n_reward} reward server(s)" if n_reward else "", cfg.world_size)
-        if cfg.trainer.nodes != 1:
-            log.warning("trainer.nodes=%d: a local run uses this machine only (%d ranks)", cfg.trainer.nodes,
-                        cfg.trainer.procs_per_node)
-            cfg.trainer.nodes = 1
-            run.job_yaml.write_text(config.dump(cfg))
         trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"), cpus=trainer_cpus)
         code = wait_trainers(run, trainers, servers, keeper)
     except KeyboardInterrupt:
@@ -502,14 +504,20 @@ def _wait_for(path: Path, timeout_s: float, what: str) -> dict:
                      "node's log (hpc-rl logs RUN --role trainer)")
 
 
-def _record_attempt(run: RunDir) -> None:
-    """attempts.json: how often Slurm requeued this job (preemption, time limit); `hpc-rl status` shows it."""
+def _record_attempt(run: RunDir, cfg: JobConfig) -> None:
+    """attempts.json: how often Slurm requeued this job (preemption, time limit) and the trainer's size in each
+    attempt (a node range may give each another); `hpc-rl status` shows both."""
     restarts = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    write_json_atomic(run.root / "attempts.json", {"requeues": restarts, "job_id": os.environ.get("SLURM_JOB_ID"),
-                                                   "started": time.time()})
+    job_id = os.environ.get("SLURM_JOB_ID")
+    before = read_json(run.root / "attempts.json") or {}
+    history = [a for a in before.get("history", []) if a.get("job_id") != job_id or a.get("requeues") != restarts]
+    history.append({"requeues": restarts, "job_id": job_id, "trainer_nodes": cfg.trainer.nodes,
+                    "trainer_ranks": cfg.world_size, "started": time.time()})
+    write_json_atomic(run.root / "attempts.json", {"requeues": restarts, "job_id": job_id, "started": time.time(),
+                                                   "trainer_nodes": cfg.trainer.nodes, "history": history})
     if restarts:
-        log.info("attempt %d of this job (requeued %d time(s)); resuming from the run's checkpoints",
-                 restarts + 1, restarts)
+        log.info("attempt %d of this job (requeued %d time(s)) on %d trainer node(s); resuming from the run's "
+                 "checkpoints", restarts + 1, restarts, cfg.trainer.nodes)
 
 
 def publish_master(run: RunDir) -> dict:
@@ -519,13 +527,23 @@ def publish_master(run: RunDir) -> dict:
     return master
 
 
+def job_of_attempt(run: RunDir, num_nodes: int) -> JobConfig:
+    """The run's job with this attempt's trainer nodes: the job's nodes but its rollout and reward nodes (a node range
+    in trainer.nodes takes what Slurm gave; a fixed count must match it)."""
+    cfg = config.load(run.job_yaml)
+    others = cfg.rollout.nodes + cfg.reward.nodes
+    try:
+        cfg.resolve_trainer_nodes(num_nodes - others)
+    except ConfigError:
+        raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes ({cfg.trainer.nodes}) + rollout.nodes + "
+                         f"reward.nodes ({others}) does not match; submit with hpc-rl submit so the node count matches "
+                         "the spec") from None
+    return cfg
+
+
 def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
-    cfg = config.load(run.job_yaml)
-    expected = cfg.trainer.nodes + cfg.rollout.nodes + cfg.reward.nodes
-    if num_nodes != expected:
-        raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes + rollout.nodes + reward.nodes = {expected}; "
-                         "submit with hpc-rl submit so the node count matches the spec")
+    cfg = job_of_attempt(run, num_nodes)
     if node_index < cfg.trainer.nodes:
         if node_index == 0:
             publish_master(run)
@@ -534,7 +552,7 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
                  node_index * cfg.trainer.procs_per_node, (node_index + 1) * cfg.trainer.procs_per_node - 1,
                  master["addr"], master["port"])
         if node_index == 0:
-            _record_attempt(run)
+            _record_attempt(run, cfg)
         ranks = start_trainer_ranks(run, cfg, node_index, master["addr"], int(master["port"]))
         _node_trainers[:] = ranks
         return wait_trainers(run, ranks, [])

@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
 
         run = RunDir(os.path.abspath(args.run_dir))
         cfg = config.load(run.job_yaml)
+        if isinstance(cfg.trainer.nodes, str):  # a node range: this attempt's nodes, from its ranks
+            cfg.resolve_trainer_nodes(int(os.environ["WORLD_SIZE"]) // cfg.trainer.procs_per_node)
         with deepspeed_without_mlflow():
             import deepspeed  # noqa: F401 (imported once here, without MLflow's hooks)
         train(cfg, run, init_distributed(cfg))

@@ -158,3 +158,67 @@ def test_eval_every_beyond_a_shortened_run_warns_and_the_final_evaluation_stays(
         cfg = config.load(REPO / "jobs" / "toy-grpo-eval-cpu.yaml", ["trainer.steps=5"])
     assert cfg.eval.every == 10 and cfg.trainer.steps == 5
     assert "eval.every (10) is beyond trainer.steps (5): only the evaluation after the last step runs" in caplog.text
+
+
+@pytest.mark.parametrize("nodes,message", [
+    ("3-1", "trainer.nodes: the range '3-1' needs 1 <= MIN <= MAX"),
+    ("0-2", "trainer.nodes: the range '0-2' needs 1 <= MIN <= MAX"),
+    ("two", "trainer.nodes: 'two' is neither a node count nor a range"),
+    ("1-3", "(trainer.nodes x trainer.procs_per_node = 6 (3 node(s) of trainer.nodes 1-3))"),
+])
+def test_a_trainer_node_range_is_checked_at_every_size(nodes, message):
+    with pytest.raises(ConfigError) as e:
+        config.load_dict({"model": {"path": "m"}, "trainer": {"nodes": nodes, "mini_batch_size": 64}})
+    assert message in str(e.value)
+
+
+def test_a_node_range_resolves_to_the_nodes_the_job_got():
+    from hpc_rl.cluster.layout import nodes_request, total_nodes
+    from hpc_rl.cluster.render import executor_params
+
+    cfg = config.load_dict({"model": {"path": "m"}, "trainer": {"nodes": "1-4", "procs_per_node": 1, "prompts_per_step": 12,
+                                                                "mini_batch_size": 48}, "rollout": {"nodes": 1}})
+    assert (nodes_request(cfg), total_nodes(cfg), cfg.fewest_ranks) == ("2-5", 5, 1)
+    with pytest.raises(ConfigError, match="known once the job runs"):
+        cfg.world_size  # noqa: B018
+    params = executor_params(cfg, "/tmp/run")
+    extra = params["additional_parameters"]
+    assert (extra["nodes"], extra["ntasks"], extra["spread_job"]) == ("2-5", 5, True)
+    assert "ntasks_per_node" not in params and "--ntasks-per-node=1" in params["srun_args"]
+    with pytest.raises(ConfigError, match="this job has 5 trainer node"):
+        cfg.resolve_trainer_nodes(5)
+    cfg.resolve_trainer_nodes(3)
+    assert (cfg.trainer.nodes, cfg.world_size) == (3, 3)
+    fixed = config.load_dict({"model": {"path": "m"}, "trainer": {"nodes": 2}, "rollout": {"nodes": 1}})
+    assert (nodes_request(fixed), executor_params(fixed, "/tmp/run")["nodes"]) == ("3", 3)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.path=other", "model.path: the run's checkpoints were written with m, not other"),
+    ("model.lora.rank=4", "model.lora: the run's checkpoints were written with no adapters, not adapters of rank 4 "
+                          "on all-linear"),
+    ("algorithm.name=ppo", "algorithm.name: the run's checkpoints were written with an algorithm without a critic, "
+                           "not an algorithm with a critic"),
+    ("trainer.zero_stage=2", "trainer.zero_stage: the run's checkpoints were written with ZeRO stage 3, not ZeRO "
+                             "stage 2"),
+])
+def test_a_resume_cannot_change_what_the_checkpoint_holds(override, message):
+    from hpc_rl.config.resume import check_resume
+
+    spec = {"model": {"path": "m"}, "algorithm": {"name": "grpo"}}
+    written = config.load_dict(spec)
+    check_resume(written, config.load_dict(spec, ["trainer.nodes=2", "trainer.procs_per_node=1", "trainer.lr=1e-4"]))
+    with pytest.raises(ConfigError) as e:
+        check_resume(written, config.load_dict(spec, [override]))
+    assert message in str(e.value) and "a resume cannot change it" in str(e.value)
+
+
+def test_run_resume_refuses_a_changed_model_in_one_line(tmp_path):
+    run = tmp_path / "runs" / "r-20261205-000000"
+    run.mkdir(parents=True)
+    (run / "job.yaml").write_text(config.dump(config.load_dict({"model": {"path": str(tmp_path)}})))
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", "x", "--resume", str(run), "model.lora.rank=8"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "model.lora: the run's checkpoints were written with no adapters" in r.stderr
+    assert config.load(run / "job.yaml").model.lora is None  # the run's job is unchanged

@@ -24,9 +24,11 @@ from hpc_rl.rundir import read_json  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 STEPS = 10
+RANGE_STEPS = 40  # the node range test's run: still training when the preemption signal comes
 
 
-def _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before: int) -> tuple[str, int]:
+def _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before: int,
+                                                              steps: int = STEPS) -> tuple[str, int]:
     """Wait for the job to end: COMPLETED after one requeue, resumed from the step the preemption checkpointed
     (at or after `before`); returns rank 0's log and that step."""
     final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 1200,
@@ -37,7 +39,7 @@ def _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, befor
     m = re.search(r"preempted: checkpoint of step (\d+) written", log0)
     assert m, run_logs(run)
     k = int(m.group(1))
-    assert before <= k < STEPS
+    assert before <= k < steps
     assert re.search(rf"resumed from \S+/step_{k} \(step {k}\)", log0), log0[-3000:]
     return log0, k
 
@@ -129,3 +131,71 @@ def test_rollout_node_whose_server_cannot_start_ends_the_job(slurm_cluster, tmp_
     assert (run / "rendezvous" / "failed-rollout-0.json").stat().st_mtime - started < 120
     logs = run_logs(run)
     assert f"rollout server 0 on node {failed['node']} exited with code 2 before it served" in logs, logs
+
+
+def test_a_node_range_takes_what_is_free_and_a_requeue_resumes_on_fewer_trainer_nodes(slurm_cluster, tmp_path):
+    """trainer.nodes 1-2 with one rollout node on the 3-node test cluster (sbatch --nodes=2-3): the first attempt gets
+    2 trainer nodes (one rank each). One of the job's nodes is drained, then the job is preempted (USR2): it
+    checkpoints, Slurm requeues it, the next attempt gets the 2 nodes left (1 trainer node) and resumes the 2-rank
+    checkpoint on 1 rank; the run ends with every step in the uninterrupted data order, and `hpc-rl status` shows
+    the trainer's size per attempt."""
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1-2", "rollout.nodes=1",
+               "trainer.procs_per_node=1", f"trainer.steps={RANGE_STEPS}", f"checkpoint.every={RANGE_STEPS // 2}",
+               "trainer.prompts_per_step=8", "trainer.mini_batch_size=32", "slurm.signal_delay_s=60", timeout=300)
+    assert "2-3 nodes" in p.stdout, p.stdout
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    script = next((run / "submitit").glob("*_submission.sh")).read_text()
+    assert "#SBATCH --nodes=2-3" in script and script.count("--nodes=") == 1, script
+    assert "#SBATCH --spread-job" in script and "#SBATCH --ntasks-per-node" not in script, script
+    wait_for(lambda: len(metrics_rows(run)) >= 2, 900, f"job {job_id} to train 2 steps\n{run_logs(run)}", poll_s=1)
+    assert read_json(run / "attempts.json")["trainer_nodes"] == 2
+    node = "n3"
+    drain = subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=hpc-rl node range test"],
+                           capture_output=True, text=True, timeout=60)
+    assert drain.returncode == 0, drain.stderr
+    try:
+        before = len(metrics_rows(run))
+        sig = subprocess.run(["scancel", "--signal=USR2", str(job_id)], capture_output=True, text=True, timeout=60)
+        assert sig.returncode == 0, sig.stderr
+        log0, k = _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before, RANGE_STEPS)
+    finally:
+        subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=60)
+    assert read_json(run / "attempts.json")["trainer_nodes"] == 1
+    assert "checkpoint written by 2 trainer rank(s), resumed on 1: the optimizer state of actor re-partitioned" in log0
+    info = status(run)
+    assert info["trainer_nodes"] == [2, 1], info
+    table = hpc_rl("status", "--runs-dir", str(tmp_path)).stdout
+    assert "COMPLETED (requeued 1x) trainer nodes 2 -> 1" in table, table
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, RANGE_STEPS + 1))
+    cfg = config.load(run / "job.yaml")
+    assert cfg.trainer.nodes == "1-2"  # the range stays the job's: a later attempt may grow again
+    for r in rows:
+        assert r["prompt_ids"] == indices_for_step(cfg.data.toy_size, 8, cfg.seed, r["step"] - 1)
+    assert "Traceback" not in log0
+
+    # `hpc-rl submit --resume RUN trainer.nodes=2`: a new job for the ended run, 2 more steps on 2 trainer nodes from
+    # its last checkpoint (step 40, written by the 1 rank of the second attempt).
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", "--resume", str(run), "trainer.nodes=2",
+               f"trainer.steps={RANGE_STEPS + 2}", timeout=300)
+    assert f"run dir: {run}" in p.stdout, p.stdout
+    second = read_json(run / "slurm.json")["job_id"]
+    assert second != job_id
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900,
+                     f"job {second} to end\n{run_logs(run)}", poll_s=2)
+    assert final["state"] == "COMPLETED" and final["trainer_nodes"] == [2, 1, 2], f"{final}\n{run_logs(run)}"
+    log0 = (run / "logs" / "trainer-0.log").read_text()
+    assert "checkpoint written by 1 trainer rank(s), resumed on 2" in log0, log0[-3000:]
+    assert [r["step"] for r in metrics_rows(run)] == list(range(1, RANGE_STEPS + 3))
+    assert config.load(run / "job.yaml").trainer.nodes == 2
+
+
+def test_a_node_range_beyond_the_partition_is_refused_at_submit(slurm_cluster, tmp_path):
+    p = hpc_rl("submit", "jobs/toy-grpo-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1-4", "rollout.nodes=1",
+               "trainer.procs_per_node=1", "trainer.prompts_per_step=12", "trainer.mini_batch_size=48", check=False,
+               timeout=120)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert ("trainer.nodes: the job needs up to 5 nodes but the default partition has 3; lower trainer.nodes"
+            in p.stderr), p.stderr
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import JobConfig
+from ..config.trainer import node_range
 from ..errors import ConfigError
 
 
@@ -18,12 +19,21 @@ class NodeRole:
 
 
 def total_nodes(cfg: JobConfig) -> int:
-    """Nodes of the whole job: trainer.nodes + rollout.nodes + reward.nodes."""
-    return cfg.trainer.nodes + cfg.rollout.nodes + cfg.reward.nodes
+    """Nodes of the whole job: trainer.nodes + rollout.nodes + reward.nodes (a node range: its MAX trainer nodes)."""
+    return node_range(cfg.trainer.nodes)[1] + cfg.rollout.nodes + cfg.reward.nodes
+
+
+def nodes_request(cfg: JobConfig) -> str:
+    """sbatch's --nodes: the job's node count, or for a trainer node range MIN-MAX with the rollout and reward
+    nodes added to both ends (Slurm starts the job once MIN are free and gives it up to MAX)."""
+    lo, hi = node_range(cfg.trainer.nodes)
+    others = cfg.rollout.nodes + cfg.reward.nodes
+    return str(lo + others) if lo == hi else f"{lo + others}-{hi + others}"
 
 
 def role_of(cfg: JobConfig, node_index: int) -> str:
-    """'trainer' for node_index < trainer.nodes, then 'rollout' for the rollout nodes, then 'reward'."""
+    """'trainer' for node_index < trainer.nodes, then 'rollout' for the rollout nodes, then 'reward' (a node range:
+    resolved to this attempt's count first, JobConfig.resolve_trainer_nodes)."""
     if not 0 <= node_index < total_nodes(cfg):
         raise ValueError(f"node index {node_index} outside a job of {total_nodes(cfg)} nodes")
     if node_index < cfg.trainer.nodes:
@@ -33,10 +43,10 @@ def role_of(cfg: JobConfig, node_index: int) -> str:
 
 def node_roles(cfg: JobConfig) -> list[NodeRole]:
     """Every node of the job with its role, in node-index order."""
-    out = [NodeRole(i, "trainer", i, cfg.trainer.procs_per_node) for i in range(cfg.trainer.nodes)]
-    out += [NodeRole(cfg.trainer.nodes + k, "rollout", k, cfg.rollout.servers_per_node)
-            for k in range(cfg.rollout.nodes)]
-    out += [NodeRole(cfg.trainer.nodes + cfg.rollout.nodes + k, "reward", k, 1) for k in range(cfg.reward.nodes)]
+    t = node_range(cfg.trainer.nodes)[1]
+    out = [NodeRole(i, "trainer", i, cfg.trainer.procs_per_node) for i in range(t)]
+    out += [NodeRole(t + k, "rollout", k, cfg.rollout.servers_per_node) for k in range(cfg.rollout.nodes)]
+    out += [NodeRole(t + cfg.rollout.nodes + k, "reward", k, 1) for k in range(cfg.reward.nodes)]
     return out
 
 
@@ -46,6 +56,9 @@ def check_layout(cfg: JobConfig) -> None:
     if s.layout == "hetjob" and cfg.rollout.nodes < 1:
         raise ConfigError("slurm.layout: hetjob needs rollout.nodes >= 1 (the second component); "
                           "set rollout.nodes or use slurm.layout=single")
+    if s.layout == "hetjob" and isinstance(cfg.trainer.nodes, str):
+        raise ConfigError(f"trainer.nodes: a node range ({cfg.trainer.nodes}) needs slurm.layout=single (a "
+                          "heterogeneous job's components have fixed sizes); set slurm.layout=single or a node count")
     if s.layout == "single" and (s.rollout_partition or s.rollout_gpus_per_node is not None):
         raise ConfigError("slurm.rollout_partition/rollout_gpus_per_node only apply to slurm.layout=hetjob; "
                           "set slurm.layout=hetjob or remove them")
@@ -54,6 +67,10 @@ def check_layout(cfg: JobConfig) -> None:
 def describe(cfg: JobConfig) -> list[str]:
     """One line per node for `submit --dry-run`."""
     lines = []
+    lo, hi = node_range(cfg.trainer.nodes)
+    if lo != hi:
+        lines.append(f"trainer nodes {lo} to {hi}: as many as Slurm gives ({nodes_request(cfg)} nodes in all); the "
+                     f"roles below are those of {hi}")
     for n in node_roles(cfg):
         what = {"trainer": f"{n.procs} trainer rank(s)",
                 "rollout": f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}",

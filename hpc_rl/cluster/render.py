@@ -13,7 +13,7 @@ from ..config import JobConfig
 from ..errors import ConfigError
 from ..nccl import nccl_env
 from ..templating import render as render_template
-from .layout import total_nodes
+from .layout import nodes_request, total_nodes
 
 # submitit names its files %j_submission.sh, %j_%t_log.out, %j_%t_result.pkl under this folder.
 SUBMITIT_DIR = "submitit"
@@ -94,6 +94,8 @@ def executor_params(cfg: JobConfig, run_dir: str | Path, clear_rendezvous: bool 
     if s.array_parallelism is not None:
         params["array_parallelism"] = s.array_parallelism
     extra: dict = {"time": str(s.time).strip()}
+    if isinstance(cfg.trainer.nodes, str):
+        _node_range_params(cfg, params, extra)
     # submitit's `mem` wants GB as a number; Slurm's own spelling (64G, 500M, 0 = whole node) passes as is.
     if s.mem is not None:
         extra["mem"] = str(s.mem)
@@ -102,6 +104,22 @@ def executor_params(cfg: JobConfig, run_dir: str | Path, clear_rendezvous: bool 
     extra.update(_additional(cfg))
     params["additional_parameters"] = extra
     return params
+
+
+def _node_range_params(cfg: JobConfig, params: dict, extra: dict) -> None:
+    """sbatch and srun options of a trainer node range (trainer.nodes "MIN-MAX").
+
+    Given only --nodes=A-B, Slurm's consumable-resource scheduler allocates A nodes even when B are free (measured
+    with Slurm 22.05). A job of B tasks spread over as many nodes as possible (--ntasks=B --spread-job, no
+    --ntasks-per-node) gets B nodes when they are free and fewer, down to A, when they are not. srun then starts one
+    task per node the job got: one submitit task per node, as at a fixed size. submitit's own bookkeeping counts B
+    tasks (its `nodes`)."""
+    total = total_nodes(cfg)
+    params.pop("ntasks_per_node", None)
+    extra.update({"nodes": nodes_request(cfg), "ntasks": total, "spread_job": True})
+    params["srun_args"] = [*params["srun_args"], "--ntasks-per-node=1"]
+    # srun reads its task count from the job's environment, which says B: one per node it got instead.
+    params["setup"] = [*params["setup"], 'export SLURM_NTASKS="$SLURM_JOB_NUM_NODES" SLURM_NPROCS="$SLURM_JOB_NUM_NODES"']
 
 
 def _additional(cfg: JobConfig) -> dict:

@@ -88,6 +88,16 @@ def job_nodes(job_id: str) -> str | None:
     return None
 
 
+def partition_nodes(partition: str | None) -> int | None:
+    """Nodes of a partition (the default one when None), whatever their state; None when sinfo cannot tell."""
+    out = _run(["sinfo", "-h", "-N", "-o", "%N %P"] + (["-p", partition] if partition else []))
+    if not out:
+        return None
+    names = {line.split()[0] for line in out.splitlines()
+             if line.split() and (partition or line.split()[-1].endswith("*"))}
+    return len(names) or None
+
+
 def scancel(job_id: str) -> tuple[bool, str]:
     """scancel the job (every component and step); (ok, message)."""
     try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import yaml
 
+from ..config.trainer import node_range
 from ..errors import ClusterError, HpcRlError
 from ..metrics import read_metrics
 from ..rundir import RunDir, find, read_json, write_json_atomic
@@ -84,6 +85,7 @@ def run_info(run: RunDir) -> dict:
     except (OSError, yaml.YAMLError):
         spec = {}
     m = last_metrics(run.metrics) or {}
+    attempts = read_json(run.root / "attempts.json") or {}
     evals = read_metrics(run.eval_log)
     ev = evals[-1] if evals else {}  # the newest evaluation, during training or offline (hpc-rl eval)
     return {
@@ -94,7 +96,9 @@ def run_info(run: RunDir) -> dict:
         "eval": {"step": ev.get("step"), "source": ev.get("source"), "pass@1": ev.get("eval/pass@1"),
                  "reward_mean": ev.get("eval/reward_mean")} if ev else None,
         # Written by the first node of each attempt (launch._record_attempt): preemptions/time limits survived.
-        "requeues": int((read_json(run.root / "attempts.json") or {}).get("requeues", 0)),
+        "requeues": int(attempts.get("requeues", 0)),
+        # The trainer nodes of each attempt, oldest first (a node range may give each attempt another count).
+        "trainer_nodes": [a.get("trainer_nodes") for a in attempts.get("history", [])],
         # Servers taking work at the last step, and rollout jobs (hpc-rl rollout add) still queued or running.
         "rollout_servers": m.get("rollout_servers"),
         "rollout_jobs": len(active_jobs(run)),
@@ -114,6 +118,9 @@ def _fmt(info: dict) -> list[str]:
     reward = info["reward_mean"]
     reward = f"{reward:.3f}" if isinstance(reward, (int, float)) else "-"
     state = info["state"] + (f" (requeued {info['requeues']}x)" if info.get("requeues") else "")
+    sizes = info.get("trainer_nodes") or []
+    if len(set(sizes)) > 1:  # the trainer's size changed between attempts
+        state += f" trainer nodes {' -> '.join(map(str, sizes))}"
     ev = info.get("eval")
     evs = "-"
     if ev and isinstance(ev.get("pass@1"), (int, float)):
@@ -162,7 +169,9 @@ def _role_of_log(path: Path, trainer_nodes: int) -> str | None:
 def log_files(run: RunDir, role: str = "all") -> list[Path]:
     """The run's log files (submitit task logs, then RUN/logs/*) for `role` (trainer, rollout, reward, all)."""
     slurm = read_json(run.root / SLURM_JSON) or {}
-    trainer_nodes = int(slurm.get("trainer_nodes", 1))
+    # A node range: the trainer nodes of the newest attempt (launch._record_attempt).
+    attempt = read_json(run.root / "attempts.json") or {}
+    trainer_nodes = int(attempt.get("trainer_nodes") or node_range(slurm.get("trainer_nodes", 1))[0])
     files = []
     for folder in (run.root / "submitit", run.root / ROLLOUT_SUBMITIT_DIR):
         files += sorted(folder.glob("*.out")) + sorted(folder.glob("*.err"))

@@ -20,7 +20,7 @@ import submitit
 
 from .. import config
 from ..errors import ClusterError
-from ..launch import preempt_trainers, run_local, run_node
+from ..launch import job_of_attempt, preempt_trainers, run_local, run_node
 from ..logs import setup_logging
 from ..rundir import RunDir
 from .env import prepare_node_env
@@ -34,7 +34,7 @@ def run_this_node(run_dir: str | Path, node_index: int, num_nodes: int) -> int:
     """Prepare this node's environment and run its role; returns launch.run_node's exit code."""
     setup_logging(rank=0)
     run = RunDir(Path(run_dir))
-    cfg = config.load(run.job_yaml)
+    cfg = job_of_attempt(run, num_nodes)
     prepare_node_env(cfg)
     log.info("node %d/%d on %s (%s): %s", node_index, num_nodes, socket.gethostname(),
              os.environ.get("HPC_RL_NODE_ADDR"), role_of(cfg, node_index))

@@ -16,7 +16,7 @@ from .model import ModelConfig
 from .reward import RewardConfig
 from .rollout import RolloutConfig
 from .runtime import CheckpointConfig, EnvConfig, LoggingConfig, SlurmConfig
-from .trainer import TrainerConfig
+from .trainer import TrainerConfig, node_range
 
 
 @dataclass
@@ -64,7 +64,25 @@ class JobConfig:
 
     @property
     def world_size(self) -> int:
+        """Trainer ranks; a node range (trainer.nodes "MIN-MAX") counts once the job knows its nodes
+        (resolve_trainer_nodes)."""
+        if not isinstance(self.trainer.nodes, int):
+            raise ConfigError(f"trainer.nodes {self.trainer.nodes!r}: the number of trainer nodes is known once the "
+                              "job runs")
         return self.trainer.nodes * self.trainer.procs_per_node
+
+    @property
+    def fewest_ranks(self) -> int:
+        """Trainer ranks at the low end of a node range (each holds the largest share of the ZeRO state)."""
+        return node_range(self.trainer.nodes)[0] * self.trainer.procs_per_node
+
+    def resolve_trainer_nodes(self, nodes: int) -> None:
+        """The trainer nodes this attempt of the job got (within trainer.nodes' range)."""
+        lo, hi = node_range(self.trainer.nodes)
+        if not lo <= nodes <= hi:
+            raise ConfigError(f"trainer.nodes: this job has {nodes} trainer node(s), outside {self.trainer.nodes}; "
+                              "submit with hpc-rl submit so the node count matches the spec")
+        self.trainer.nodes = nodes
 
     @property
     def gpus_per_rollout_server(self) -> int:

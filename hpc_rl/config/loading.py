@@ -39,7 +39,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _coerce(value, args[0], key)
+        for arg in args[:-1]:  # int | str: the first type the value is
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        return _coerce(value, args[-1], key)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value in choices and type(value) is type(choices[choices.index(value)]):

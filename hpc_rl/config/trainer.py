@@ -6,16 +6,33 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
     from .job import JobConfig
+
+
+def node_range(nodes: int | str) -> tuple[int, int]:
+    """(MIN, MAX) of trainer.nodes: N or "MIN-MAX"; ConfigError naming the key."""
+    if isinstance(nodes, int):
+        return nodes, nodes
+    parts = str(nodes).replace(" ", "").split("-")
+    if len(parts) != 2 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"trainer.nodes: {nodes!r} is neither a node count nor a range; use e.g. 2 or \"1-4\"")
+    lo, hi = int(parts[0]), int(parts[1])
+    if not 1 <= lo <= hi:
+        raise ConfigError(f"trainer.nodes: the range {nodes!r} needs 1 <= MIN <= MAX; e.g. \"1-4\"")
+    return lo, hi
 
 
 @dataclass
 class TrainerConfig:
     """The trainer ranks (DeepSpeed actor, critic, reference) and the optimization."""
 
-    # Trainer nodes of a Slurm job (a local run uses this machine only).
-    nodes: int = 1
+    # Trainer nodes of a Slurm job (a local run uses this machine only); or a range "MIN-MAX": the job starts once
+    # MIN are free and takes what Slurm gives up to MAX (each attempt of a requeued job again; a checkpoint resumes
+    # on another number of trainer ranks).
+    nodes: int | str = 1
     # Trainer ranks per node (one per GPU; on CPU, processes).
     procs_per_node: int = 2
     # Where the ranks compute; auto: cuda when a GPU is visible.
@@ -79,7 +96,8 @@ class TrainerConfig:
 
 def check(cfg: JobConfig, need) -> None:
     t, r = cfg.trainer, cfg.rollout
-    need(t.nodes >= 1, f"trainer.nodes must be >= 1; got {t.nodes}")
+    lo, hi = node_range(t.nodes)
+    need(lo >= 1, f"trainer.nodes must be >= 1; got {t.nodes}")
     need(t.procs_per_node >= 1, f"trainer.procs_per_node must be >= 1; got {t.procs_per_node}")
     need(t.steps >= 1, f"trainer.steps must be >= 1; got {t.steps}")
     need(all(isinstance(k, str) and k and isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -96,18 +114,20 @@ def check(cfg: JobConfig, need) -> None:
     need(t.check_sync_every >= 0 and t.sync_tolerance > 0,
          "trainer.check_sync_every must be >= 0 and trainer.sync_tolerance > 0")
     samples = cfg.samples_per_step
-    world = cfg.world_size
     need(t.mini_batch_size >= 1, "trainer.mini_batch_size must be >= 1")
     need(samples % t.mini_batch_size == 0,
          f"trainer.mini_batch_size ({t.mini_batch_size}) must divide the samples per step "
          f"(trainer.prompts_per_step x algorithm.group_size = {samples})")
-    need(t.mini_batch_size % world == 0,
-         f"trainer.mini_batch_size ({t.mini_batch_size}) must be divisible by the number of trainer ranks "
-         f"(trainer.nodes x trainer.procs_per_node = {world})")
-    if t.micro_batch_size:
-        need((t.mini_batch_size // world) % t.micro_batch_size == 0,
-             f"trainer.micro_batch_size ({t.micro_batch_size}) must divide the per-rank mini-batch "
-             f"({t.mini_batch_size // world})")
+    for nodes in range(lo, hi + 1):  # every size a node range may start at
+        world = nodes * t.procs_per_node
+        of = f" ({nodes} node(s) of trainer.nodes {t.nodes})" if lo != hi else ""
+        need(t.mini_batch_size % world == 0,
+             f"trainer.mini_batch_size ({t.mini_batch_size}) must be divisible by the number of trainer ranks "
+             f"(trainer.nodes x trainer.procs_per_node = {world}{of})")
+        if t.micro_batch_size:
+            need((t.mini_batch_size // world) % t.micro_batch_size == 0,
+                 f"trainer.micro_batch_size ({t.micro_batch_size}) must divide the per-rank mini-batch "
+                 f"({t.mini_batch_size // world}{of})")
     need(t.max_tokens_per_micro_batch >= 0,
          f"trainer.max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples per micro-batch); "
          f"got {t.max_tokens_per_micro_batch}")

@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+from ..config.trainer import node_range
 from ..errors import first_line
 from .base import FAIL, OK, WARN, Ctx, Result, check
 
@@ -296,7 +297,7 @@ def check_reward_model(ctx: Ctx) -> Result:
         fix = "use a smaller or bfloat16 reward model (reward.model.dtype)"
     else:
         policy = _model_dir(ctx)
-        world = j.world_size
+        world = j.fewest_ranks
         # ZeRO-3 per rank: actor and critic train (weights, gradients, fp32 Adam states: ~16 bytes a parameter in
         # mixed precision), the reference (weights only) and the reward model, each split over the ranks.
         p_params = _weights_bytes(policy, j.model.dtype)[0] if policy is not None else 0
@@ -343,7 +344,7 @@ def check_trainer_memory(ctx: Ctx) -> Result:
     except (HpcRlError, OSError, ValueError) as e:
         return Result(name, FAIL, first_line(e), "fix model / model.lora as the message says")
     w = 2 if j.model.dtype != "float32" else 4
-    world = j.world_size
+    world = j.fewest_ranks
     kl = j.algorithm.kl.coef > 0 or j.algorithm.kl.adaptive
     # ZeRO-3, per rank: a trained parameter costs ~16 bytes (weights, gradients, fp32 Adam moments and master
     # copy), a frozen one its weight; all split over the ranks. Activations come on top.
@@ -379,7 +380,7 @@ def _is_loopback(host: str) -> bool:
 @check("job:rollout-bind", needs_job=True)
 def check_rollout_bind(ctx: Ctx) -> Result:
     j = ctx.job
-    nodes = j.trainer.nodes + j.rollout.nodes
+    nodes = node_range(j.trainer.nodes)[1] + j.rollout.nodes
     host = j.rollout.host
     if _is_loopback(host) and nodes > 1:
         return Result("job:rollout-bind", FAIL, f"rollout.host={host} is loopback but the job spans {nodes} nodes: "

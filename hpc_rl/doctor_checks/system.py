@@ -7,6 +7,7 @@ import ipaddress
 import socket
 import threading
 
+from ..config.trainer import node_range
 from .base import FAIL, OK, WARN, Ctx, Result, check
 
 MiB = 1 << 20
@@ -86,7 +87,7 @@ def resolve(name: str, timeout: float = 5.0) -> list[str] | None:
 
 
 def _multi_node(ctx: Ctx) -> bool:
-    return ctx.job is not None and ctx.job.trainer.nodes + ctx.job.rollout.nodes > 1
+    return ctx.job is not None and node_range(ctx.job.trainer.nodes)[1] + ctx.job.rollout.nodes > 1
 
 
 @check("hostname")
