@@ -108,11 +108,15 @@ def rl_step(step: int, cfg: JobConfig, dist, learner, orch) -> dict:
         raise NotFinite(str(e)) from None
     t0 = time.time()
     learner.policy_version = step + 1
-    named = learner.policy_state()  # 8: gathered from the shards (collective) ...
-    every = cfg.trainer.check_sync_every
-    probe = learner.sync_probe(batch) if every and (step + 1) % every == 0 else None
-    sync = orch.push(named, step + 1, probe) if dist.is_main else {}  # ... and pushed (now, or by the pipeline)
-    del named
+    sync = {}
+    # Past trainer.max_skipped_in_a_row fit() stops after this step: its update (diverging, on every rank alike)
+    # is not pushed either.
+    if learner.skipped_in_a_row < cfg.trainer.max_skipped_in_a_row:
+        named = learner.policy_state()  # 8: gathered from the shards (collective) ...
+        every = cfg.trainer.check_sync_every
+        probe = learner.sync_probe(batch) if every and (step + 1) % every == 0 else None
+        sync = orch.push(named, step + 1, probe) if dist.is_main else {}  # ... and pushed (now, or by the pipeline)
+        del named
     t_sync = time.time() - t0
     stats, kl_mean = learner.step_stats(shard, fwd, stats)  # 9: metrics
     if not dist.is_main:
