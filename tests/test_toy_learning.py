@@ -4,6 +4,7 @@ the reward model alone); the multi-turn toy learns to call its tool. PPO on the 
 asynchronous rollouts run 6 steps against their golden samples."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,7 +100,8 @@ def test_toy_agent_job_learns_to_look_up(tmp_path):
     trainer.stop_at ends the run (~15 steps), and the reward rises with it. Copying the looked-up digit to a last-5
     reward of 0.8 takes the job's 100 steps (~5 s each here): too long for CI; tests/test_rollout_server.py holds
     the samples to the engine's tokens."""
-    run = _run("toy-agent-cpu.yaml", tmp_path, ["trainer.stop_at={agent/looked: 0.9}"])
+    run = _run("toy-agent-cpu.yaml", tmp_path, ["trainer.stop_at={agent/looked: 0.9}", "checkpoint.every=5",
+                                                 "checkpoint.keep_last=10"])
     rows = read_metrics(run / "metrics.jsonl")
     rewards = [row["reward_mean"] for row in rows]
     looked = [row["agent/looked"] for row in rows]
@@ -110,3 +112,31 @@ def test_toy_agent_job_learns_to_look_up(tmp_path):
     assert len(rows) < 100  # stop_at ended it: the criterion was met
     assert all(row["agent/failed_frac"] == 0.0 for row in rows)
     assert all(1.0 <= row["agent/calls_per_episode"] <= 2.0 and row["agent/samples_per_episode"] == 1.0 for row in rows)
+
+    # Resumed from its step-5 checkpoint, the agent run generates steps 6 and 7 again exactly: every call of an
+    # episode has its seed from the episode and the call's place in it (orchestrator/seeds.py), not from the run's
+    # history. The resumed run also evaluates through the agent (the one sample-and-score path), which changes no
+    # training sample.
+    copy = tmp_path / "resumed" / run.name
+    shutil.copytree(run, copy)
+    for ckpt in copy.glob("checkpoints/step_*"):
+        if ckpt.name != "step_5":
+            shutil.rmtree(ckpt)
+    (copy / "checkpoints" / "latest").write_text("step_5")
+    (copy / "job.yaml").write_text((copy / "job.yaml").read_text().replace(str(run), str(copy)))
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", "x", "--resume", str(copy), "trainer.steps=7",
+                        "trainer.stop_at={}", "eval.source=toy:lookup", "eval.every=1", "eval.max_prompts=8",
+                        "eval.samples_per_prompt=2", "eval.temperature=1.0"], capture_output=True, text=True, cwd=tmp_path, timeout=900,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0 and "resumed from" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+    again = read_metrics(copy / "metrics.jsonl")
+    assert [row["step"] for row in again] == list(range(1, 8))
+    for a, b in zip(again[5:], rows[5:7]):
+        assert (a["samples_sha1"], a["reward_mean"], a["agent/looked"]) == \
+            (b["samples_sha1"], b["reward_mean"], b["agent/looked"]), a["step"]
+    evals = read_metrics(copy / "eval.jsonl")
+    assert [e["step"] for e in evals] == [5, 6, 7], evals  # the resume point had no evaluation: it gets one first
+    for e in evals:
+        samples = read_metrics(copy / "eval" / f"step_{e['step']}.jsonl")
+        assert len(samples) == 16 and e["eval/prompts"] == 8 and 0.0 <= e["eval/reward_mean"] <= 1.0
+        assert e["eval/reward_mean"] == pytest.approx(sum(x["score"] for x in samples) / 16)
