@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import config, rundir, tracking
 from .config import JobConfig
-from .config.resume import check_resume
+from .config.resume import load_for_resume
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
 from .errors import ConfigError, HpcRlError
@@ -468,22 +468,14 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
     return code
 
 
-def resume_config(run: RunDir, overrides: list[str]) -> JobConfig:
-    """The run's job with `overrides` (its size may change, its model and the like may not: config/resume.py),
-    written back as the run's job.yaml."""
-    cfg = config.load(run.job_yaml, overrides)
-    if overrides:
-        check_resume(config.load(run.job_yaml), cfg)
-        run.job_yaml.write_text(config.dump(cfg))
-    return cfg
-
-
 def run_local_job(job_path: str, overrides: list[str], resume: str | None = None) -> int:
     """`hpc-rl run JOB.yaml [overrides] [--resume RUN_DIR]`."""
     setup_logging(0)
     if resume:
         run = rundir.find(resume)
-        cfg = resume_config(run, overrides)
+        cfg = load_for_resume(run.job_yaml, overrides)  # its size may change, its model and the like may not
+        if overrides:
+            run.job_yaml.write_text(config.dump(cfg))
         log.info("resuming %s", run.root)
     else:
         run, cfg = prepare_run(job_path, overrides)
@@ -511,10 +503,11 @@ def _record_attempt(run: RunDir, cfg: JobConfig) -> None:
     job_id = os.environ.get("SLURM_JOB_ID")
     before = read_json(run.root / "attempts.json") or {}
     history = [a for a in before.get("history", []) if a.get("job_id") != job_id or a.get("requeues") != restarts]
+    started = time.time()
     history.append({"requeues": restarts, "job_id": job_id, "trainer_nodes": cfg.trainer.nodes,
-                    "trainer_ranks": cfg.world_size, "started": time.time()})
-    write_json_atomic(run.root / "attempts.json", {"requeues": restarts, "job_id": job_id, "started": time.time(),
-                                                   "trainer_nodes": cfg.trainer.nodes, "history": history})
+                    "trainer_ranks": cfg.world_size, "started": started})
+    write_json_atomic(run.root / "attempts.json", {"requeues": restarts, "job_id": job_id, "started": started,
+                                                   "history": history})
     if restarts:
         log.info("attempt %d of this job (requeued %d time(s)) on %d trainer node(s); resuming from the run's "
                  "checkpoints", restarts + 1, restarts, cfg.trainer.nodes)

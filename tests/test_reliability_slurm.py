@@ -149,7 +149,7 @@ def test_a_node_range_takes_what_is_free_and_a_requeue_resumes_on_fewer_trainer_
     assert "#SBATCH --nodes=2-3" in script and script.count("--nodes=") == 1, script
     assert "#SBATCH --spread-job" in script and "#SBATCH --ntasks-per-node" not in script, script
     wait_for(lambda: len(metrics_rows(run)) >= 2, 900, f"job {job_id} to train 2 steps\n{run_logs(run)}", poll_s=1)
-    assert read_json(run / "attempts.json")["trainer_nodes"] == 2
+    assert read_json(run / "attempts.json")["history"][-1]["trainer_nodes"] == 2
     node = "n3"
     drain = subprocess.run(["scontrol", "update", f"nodename={node}", "state=drain", "reason=hpc-rl node range test"],
                            capture_output=True, text=True, timeout=60)
@@ -161,7 +161,7 @@ def test_a_node_range_takes_what_is_free_and_a_requeue_resumes_on_fewer_trainer_
         log0, k = _requeued_once_and_resumed_from_the_preemption_checkpoint(run, job_id, before, RANGE_STEPS)
     finally:
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=resume"], capture_output=True, timeout=60)
-    assert read_json(run / "attempts.json")["trainer_nodes"] == 1
+    assert read_json(run / "attempts.json")["history"][-1]["trainer_nodes"] == 1
     assert "checkpoint written by 2 trainer rank(s), resumed on 1: the optimizer state of actor re-partitioned" in log0
     info = status(run)
     assert info["trainer_nodes"] == [2, 1], info

@@ -170,8 +170,8 @@ def log_files(run: RunDir, role: str = "all") -> list[Path]:
     """The run's log files (submitit task logs, then RUN/logs/*) for `role` (trainer, rollout, reward, all)."""
     slurm = read_json(run.root / SLURM_JSON) or {}
     # A node range: the trainer nodes of the newest attempt (launch._record_attempt).
-    attempt = read_json(run.root / "attempts.json") or {}
-    trainer_nodes = int(attempt.get("trainer_nodes") or node_range(slurm.get("trainer_nodes", 1))[0])
+    history = (read_json(run.root / "attempts.json") or {}).get("history") or [{}]
+    trainer_nodes = int(history[-1].get("trainer_nodes") or node_range(slurm.get("trainer_nodes", 1))[0])
     files = []
     for folder in (run.root / "submitit", run.root / ROLLOUT_SUBMITIT_DIR):
         files += sorted(folder.glob("*.out")) + sorted(folder.glob("*.err"))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from .. import config
-from ..config.resume import check_resume
+from ..config.resume import load_for_resume
 from ..errors import ClusterError
 from ..rundir import RunDir, find, read_json, write_json_atomic
 from . import slurmq
@@ -103,13 +103,10 @@ def _submit(run: RunDir, cfg: config.JobConfig) -> None:
 def _resubmit(resume: str, overrides: list[str], dry_run: bool) -> int:
     """`hpc-rl submit --resume RUN [overrides]`: the run's job (its size may change: trainer.nodes,
     trainer.procs_per_node) as a new Slurm job in the same run dir, resuming from its latest checkpoint."""
-    from ..launch import resume_config
-
     run = find(resume)
+    cfg = load_for_resume(run.job_yaml, overrides)
+    check_layout(cfg)
     if dry_run:
-        cfg = config.load(run.job_yaml, overrides)
-        check_resume(config.load(run.job_yaml), cfg)
-        check_layout(cfg)
         _print_dry_run(cfg)
         return 0
     slurmq.need_sbatch("submit --resume", "use `hpc-rl run --resume RUN` to resume on this machine")
@@ -118,10 +115,8 @@ def _resubmit(resume: str, overrides: list[str], dry_run: bool) -> int:
     if state is not None and state not in slurmq.TERMINAL:
         raise ClusterError(f"{run.name}: its job {before['job_id']} is still {state}; cancel it first "
                            f"(hpc-rl cancel {run.name}) or let it end")
-    cfg = config.load(run.job_yaml, overrides)
-    check_layout(cfg)
     _check_partition_size(cfg)
-    cfg = resume_config(run, overrides)
+    run.job_yaml.write_text(config.dump(cfg))
     run.done_file.unlink(missing_ok=True)  # this run goes on: rollout jobs must not take it for ended
     _submit(run, cfg)
     return 0

@@ -8,8 +8,11 @@ that stage (DeepSpeed's stage 1-2 loader does not read a stage-3 checkpoint).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from ..errors import ConfigError
 from .job import JobConfig
+from .loading import load
 
 
 def _fixed(cfg: JobConfig) -> dict:
@@ -42,3 +45,12 @@ def check_resume(written: JobConfig, resumed: JobConfig) -> None:
             raise ConfigError(f"{key}: the run's checkpoints were written with {_show(key, value)}, not "
                               f"{_show(key, after[key])}; a resume cannot change it (start a new run, or drop the "
                               "override)")
+
+
+def load_for_resume(job_yaml: Path, overrides: list[str]) -> JobConfig:
+    """A run's resolved job with `overrides` for a resume, refused (ConfigError) where the checkpoint cannot follow;
+    the caller writes it back as the run's job.yaml once it starts the resume."""
+    cfg = load(job_yaml, overrides)
+    if overrides:
+        check_resume(load(job_yaml), cfg)
+    return cfg

@@ -180,13 +180,13 @@ class Trainer:
         dist = self.dist
         rows = mini_batch_rows(len(batch), self.cfg.trainer.mini_batch_size, dist.world_size, dist.rank,
                                self.cfg.seed, step)
-        idx = rows.tolist()
-        responses, masks = [batch.responses[i] for i in idx], [batch.loss_masks[i] for i in idx]
+        mine = batch.select(rows.tolist())
+        masks = mine.loss_masks
         if self.cfg.algorithm.mask_truncated:
-            masks = without_truncated(responses, [batch.truncated[i] for i in idx], masks)
-        packed = pack([batch.prompts[i] for i in idx], responses, self.tokenizer.pad_token_id, masks)
+            masks = without_truncated(mine.responses, mine.truncated, masks)
+        packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
-        rollout_lp = pad_rows([batch.rollout_logprobs[i] for i in idx], packed.responses.shape[1])
+        rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
         self._tokens = [0, 0]
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
                      rollout_lp.to(dist.device))
