@@ -47,6 +47,15 @@ async def two_call_agent(client, task, model="policy"):
     return {"reward": float(len(second.choices[0].message.content)), "metrics": {"calls": 2.0}}
 
 
+async def two_conversation_agent(client, task, model="policy"):
+    """Two calls whose messages do not extend each other (the second starts afresh, as a sub-agent would)."""
+    first = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": task["prompt"]}],
+                                                 max_tokens=3)
+    again = [{"role": "user", "content": task["answer"]}, {"role": "tool", "content": first.choices[0].message.content}]
+    await client.chat.completions.create(model=model, messages=again, max_tokens=3)
+    return float(task["id"])
+
+
 async def failing_agent(client, task):
     """Row 0 raises, row 1 hangs past the timeout, row 2 returns NaN, row 3 a string; the others finish."""
     import asyncio
@@ -115,6 +124,31 @@ def test_an_agents_calls_are_one_sequence_on_the_engines_tokens(srv):
         r.reward for r in results]
     assert stats == {"agent/failed_frac": 0.0, "agent/calls_per_episode": 2.0, "agent/samples_per_episode": 1.0,
                      "agent/calls": 2.0}
+
+
+def test_an_episode_of_two_conversations_is_two_samples_with_its_reward(srv):
+    """Calls that do not extend each other are samples of their own, each on its call's engine tokens (the whole
+    completion trained); both carry the episode's reward, group and episode id."""
+    from hpc_rl.orchestrator.agents import agent_batch
+    from hpc_rl.rollout.wire.openai_api import Defaults
+
+    agents, tok, _ = _agents(srv, "tests.test_agents:two_conversation_agent")
+    rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
+    try:
+        results = agents.run(rows, 0, lambda ep, k: 100 * ep + k, Defaults(3, 1.0, 1.0, -1))
+    finally:
+        agents.front.shutdown()
+    for r in results:
+        assert r.error is None and len(r.calls) == 2 and len(r.samples) == 2, r
+        for call, sample in zip(r.calls, r.samples):
+            assert sample.prompt == call.prompt_ids and sample.response == call.completion_ids
+            assert sample.loss_mask == [1] * len(call.completion_ids) and sample.logprobs == call.logprobs
+    batch, texts, stats = agent_batch(results, rows, 2, 0, [[1, 2], [3, 4]], tok)
+    assert len(batch) == 8 and batch.episode_ids == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert batch.group_ids == [0, 0, 0, 0, 1, 1, 1, 1] and batch.prompt_ids == batch.episode_ids
+    assert batch.reward_parts["environment"] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    assert batch.responses[1::2] == [r.calls[1].completion_ids for r in results] and len(texts) == 4
+    assert stats["agent/samples_per_episode"] == 2.0 and stats["agent/calls_per_episode"] == 2.0
 
 
 def test_agents_that_raise_hang_or_return_no_number_lose_only_their_episode(srv, caplog):

@@ -563,3 +563,21 @@ def test_new_algorithm_keys_are_validated():
             load_dict({"model": {"path": "m"}, "algorithm": {key: bad}})
     with pytest.raises(ConfigError, match="algorithm.kl.clamp must be > 0"):
         load_dict({"model": {"path": "m"}, "algorithm": {"kl": {"clamp": -1}}})
+
+
+def test_group_estimators_compare_episodes_when_an_episode_has_several_samples():
+    """An agent's episode of two conversations counts once in its group's baseline and gives both samples its
+    advantage; padding rows (-1) get 0. Groups of 2 episodes with rewards (1, 0) and (0.5, 0.5): GRPO gives
+    +-(0.5 / (std 0.7071 + 1e-6)) in the first group, 0 in the second (equal rewards); RLOO +-1, 0."""
+    from hpc_rl.algos.estimators import AdvantageInputs, compute_advantages
+    from hpc_rl.config import AlgorithmConfig
+
+    episodes = torch.tensor([0, 0, 1, 2, 3, 3, -1, -1])  # episode 0 and 3: two samples each; two fillers
+    scores = T([1.0, 1.0, 0.0, 0.5, 0.5, 0.5, 0.0, 0.0])
+    mask = T([[1.0, 1.0]] * 8)
+    g = 0.5 / (math.sqrt(0.5) + 1e-6)
+    for name, want in (("grpo", [g, g, -g, 0, 0, 0, 0, 0]), ("rloo", [1, 1, -1, 0, 0, 0, 0, 0])):
+        a = AlgorithmConfig(name=name, group_size=2)
+        for rows in (torch.arange(0, 4), torch.arange(4, 8)):
+            adv, _ = compute_advantages(AdvantageInputs(scores, rows, torch.zeros(4, 2), None, mask[:4], episodes), a)
+            close(adv, T(want)[rows].unsqueeze(1) * mask[:4])

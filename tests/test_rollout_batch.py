@@ -60,3 +60,35 @@ def test_a_format_1_batch_of_an_earlier_version_reads():
     assert RolloutBatch.from_json(shaped).scores == [0.1, 0.2, 0.3, 0.4]  # shaped when it was made
     with pytest.raises(ValueError, match="format 9"):
         RolloutBatch.from_json({**old, "format": 9})
+
+
+def agent_batch_of(episodes=(2, 1, 1, 3), g=2) -> RolloutBatch:
+    """Episodes of several samples (an agent's conversations), `g` episodes per group."""
+    ids = [e for e, k in enumerate(episodes) for _ in range(k)]
+    n = len(ids)
+    return RolloutBatch(
+        step=0, prompts=[[1, e] for e in ids], responses=[[5, i] for i in range(n)], loss_masks=[[1, 1]] * n,
+        rollout_logprobs=[[-0.5, -1.0]] * n, versions=[0] * n, truncated=[False] * n,
+        group_ids=[e // g for e in ids], prompt_ids=[e // g for e in ids],
+        reward_parts={"environment": [float(e) for e in ids]}, episode_ids=[10 + e for e in ids])
+
+
+def test_an_agents_episodes_of_several_samples_are_scored_once_and_padded_with_rows_that_train_nothing():
+    b = agent_batch_of()
+    assert b.episode_index() == [0, 0, 1, 2, 3, 3, 3]
+    assert b.episode_ends() == [1, 2, 3, 6]  # each episode's last conversation
+    view = b.episodes()
+    assert view.responses == [[5, 1], [5, 2], [5, 3], [5, 6]] and view.reward_parts["environment"] == [0, 1, 2, 3]
+    assert b.per_sample([0.5, 1.5, 2.5, 3.5]) == [0.5, 0.5, 1.5, 2.5, 3.5, 3.5, 3.5]
+    assert batch().episodes() is not None and batch().episode_index() == [0, 1, 2, 3]  # one sample, one episode
+    padded = b.with_fillers(3, token=0)
+    assert len(padded) == 10 and padded.episode_index()[7:] == [-1, -1, -1]
+    assert padded.loss_masks[7:] == [[0]] * 3 and padded.reward_parts["environment"][7:] == [0.0] * 3
+    assert b.with_fillers(0, token=0) is b
+    assert batch().with_fillers(1, token=0).episode_index() == [0, 1, 2, 3, -1]
+    both = RolloutBatch.concat([b, agent_batch_of((1, 1, 2, 1))])
+    assert both.episode_index() == [0, 0, 1, 2, 3, 3, 3, 4, 5, 6, 6, 7]  # the second batch's episodes stay apart
+    back = RolloutBatch.from_json(json.loads(json.dumps(b.to_json())))
+    assert back == b
+    with pytest.raises(ValueError, match="episode_ids has 2 entries for 7 samples"):
+        RolloutBatch(**{**b.__dict__, "episode_ids": [0, 1]})

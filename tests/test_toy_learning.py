@@ -3,6 +3,7 @@ at least 0.8 and at least 0.6 above the first step's (GRPO, GRPO through LoRA ad
 the reward model alone); the multi-turn toy learns to call its tool. PPO on the rule reward and both algorithms with
 asynchronous rollouts run 6 steps against their golden samples."""
 
+import math
 import os
 import shutil
 import subprocess
@@ -56,6 +57,30 @@ def _run(job: str, tmp_path: Path, extra: list[str]) -> Path:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     (run,) = list((tmp_path / "runs").iterdir())
     return run
+
+
+def test_an_agent_whose_calls_start_afresh_trains_every_conversation(tmp_path, monkeypatch):
+    """jobs/toy-agent-cpu.yaml with an agent whose second call starts from fresh messages (toy_agents
+    fresh_context_agent): a looked-up episode is two samples. Three steps on two ranks: the learner takes the
+    longer batch (padded to whole rows per rank) with every sample trained, and evaluation through the agent counts
+    each episode once."""
+    monkeypatch.setenv("HPC_RL_DEBUG", "1")  # the step's shapes: how many samples the learner took
+    run = _run("toy-agent-cpu.yaml", tmp_path, [
+        "rollout.agent=hpc_rl.rollout.environments.toy_agents:fresh_context_agent", "trainer.steps=3",
+        "trainer.prompts_per_step=8", "eval.source=toy:lookup", "eval.every=3", "eval.max_prompts=4",
+        "eval.samples_per_prompt=2", "eval.temperature=1.0"])
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [row["step"] for row in rows] == [1, 2, 3]
+    log = (run / "logs" / "trainer-0.log").read_text()
+    for row in rows:
+        # 64 episodes a step; the lookups (a random policy asks in ~10%) added a second sample each
+        assert row["agent/failed_frac"] == 0.0 and row["agent/samples_per_episode"] == 1.0 + row["agent/looked"]
+        assert 1.0 < row["agent/samples_per_episode"] < 2.0 and math.isfinite(row["grad_norm"]), row
+        samples = round(64 * row["agent/samples_per_episode"])
+        assert f"step {row['step']} shapes: {samples} samples" in log, (samples, log[-2000:])
+    assert [ev["step"] for ev in read_metrics(run / "eval.jsonl")] == [0, 3]
+    for step in (0, 3):
+        assert len(read_metrics(run / "eval" / f"step_{step}.jsonl")) == 8  # a line per episode, not per sample
 
 
 def test_toy_job_learns_from_the_reward_model_alone(tmp_path):

@@ -22,10 +22,25 @@ class AdvantageInputs:
     """What an estimator may read, for this rank's shard of B samples with T response tokens."""
 
     all_scores: torch.Tensor  # [N] every sample's score this step, group by group (prompt i: rows i*G .. i*G+G-1)
-    rows: slice  # this shard's rows of all_scores
+    rows: torch.Tensor | slice  # this shard's rows of all_scores
     token_rewards: torch.Tensor  # [B, T] the score on the last response token, minus the KL penalty if in the reward
     values: torch.Tensor | None  # [B, T] the critic's values (algorithms with needs_critic)
     mask: torch.Tensor  # [B, T] 1 on response tokens
+    # [N] the episode of each of the step's samples (0, 1, ... group by group; -1: a row that trains nothing), when an
+    # agent's episode has several samples: group baselines compare episodes. None: each sample is an episode.
+    episodes: torch.Tensor | None = None
+
+
+def per_episode(fn, x: AdvantageInputs, group_size: int) -> torch.Tensor:
+    """The sequence advantages [B] of this shard from `fn(scores [E], group_size)` over the step's episodes (each
+    sample gets its episode's; the samples of an episode share its score), or over the samples themselves."""
+    if x.episodes is None:
+        return fn(x.all_scores, group_size)[x.rows]
+    real = x.episodes >= 0
+    scores = torch.zeros(int(x.episodes.max()) + 1, dtype=x.all_scores.dtype)
+    scores[x.episodes[real]] = x.all_scores[real]
+    adv = fn(scores, group_size)[x.episodes.clamp(min=0)]
+    return torch.where(real, adv, torch.zeros_like(adv))[x.rows]
 
 
 def gae_advantages(x: AdvantageInputs, a: AlgorithmConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,14 +58,14 @@ def group_normalized_advantages(x: AdvantageInputs, a: AlgorithmConfig) -> tuple
     """GRPO: A_i = (r_i - mean(group)) / (std(group) + eps) on every response token (norm_adv_by_std=false:
     r_i - mean, Dr. GRPO). Shao et al. 2024, https://arxiv.org/abs/2402.03300; Liu et al. 2025,
     https://arxiv.org/abs/2503.20783; verl's compute_grpo_outcome_advantage."""
-    seq = grpo_advantages(x.all_scores, a.group_size, a.norm_adv_by_std)[x.rows]
+    seq = per_episode(lambda s, g: grpo_advantages(s, g, a.norm_adv_by_std), x, a.group_size)
     return broadcast_sequence_advantage(seq.to(x.mask.device), x.mask), None
 
 
 def leave_one_out_advantages(x: AdvantageInputs, a: AlgorithmConfig) -> tuple[torch.Tensor, None]:
     """RLOO: A_i = r_i - mean of the other G-1 samples of its group, on every response token. Ahmadian et al.
     2024, https://arxiv.org/abs/2402.14740; verl's compute_rloo_outcome_advantage."""
-    seq = rloo_advantages(x.all_scores, a.group_size)[x.rows]
+    seq = per_episode(rloo_advantages, x, a.group_size)
     return broadcast_sequence_advantage(seq.to(x.mask.device), x.mask), None
 
 

@@ -141,10 +141,6 @@ class AgentRollout:
                     res.samples = samples_of(res.calls)
                     if res.error is None and not res.calls:
                         res.error = "made no call to the model (nothing to train on)"
-                    elif res.error is None and len(res.samples) > 1:
-                        res.error = (f"its {len(res.calls)} calls form {len(res.samples)} conversations; episodes "
-                                     "are trained as one sequence (append each reply and what follows to the same "
-                                     "messages), so calls that rewrite the history are not trained yet")
                     return res
 
             return list(await asyncio.gather(*(one(i, row) for i, row in enumerate(rows))))
@@ -153,8 +149,9 @@ class AgentRollout:
 def agent_batch(episodes: list[EpisodeResult], rows: list[dict], n: int, step: int, prompts: list[list[int]],
                 tokenizer) -> tuple[RolloutBatch, list[str], dict]:
     """The step's batch from its episodes (episode i: group i // n, of prompt `prompts[i // n]`), the texts reward
-    functions score (each episode's last completion), and the agent/* statistics.
+    functions score (per episode: its last completion), and the agent/* statistics.
 
+    An episode has a sample per conversation (agent_trace.samples_of), all of them with its reward and episode id.
     A lost episode keeps its slot (groups stay whole for the estimators) as a sample that trains nothing: one token,
     loss mask 0, and its group's mean reward of the episodes that finished (0 when none did), so it moves neither
     the group's mean nor any advantage's sign."""
@@ -163,23 +160,25 @@ def agent_batch(episodes: list[EpisodeResult], rows: list[dict], n: int, step: i
     for i, e in enumerate(episodes):
         group = [episodes[j] for j in range(i - i % n, i - i % n + n) if ok[j]]
         rewards.append(e.reward if ok[i] else (sum(g.reward for g in group) / len(group) if group else 0.0))
-    versions = [e.samples[0].version for e, good in zip(episodes, ok) if good]
+    versions = [s.version for e, good in zip(episodes, ok) if good for s in e.samples]
     filler_version = max(versions) if versions else 0
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.pad_token_id
-    out = {k: [] for k in ("prompts", "responses", "loss_masks", "rollout_logprobs", "versions", "truncated")}
-    texts = []
+    out = {k: [] for k in ("prompts", "responses", "loss_masks", "rollout_logprobs", "versions", "truncated",
+                           "group_ids", "prompt_ids")}
+    episode_ids, texts = [], []
     for i, (e, good) in enumerate(zip(episodes, ok)):
         if good:
-            s = e.samples[0]
-            vals = (s.prompt, s.response, s.loss_mask, s.logprobs, s.version, s.truncated)
+            samples = [(s.prompt, s.response, s.loss_mask, s.logprobs, s.version, s.truncated) for s in e.samples]
             texts.append(tokenizer.decode(e.calls[-1].completion_ids, skip_special_tokens=True))
         else:
-            vals = (list(prompts[i // n]), [eos], [0], [0.0], filler_version, False)
+            samples = [(list(prompts[i // n]), [eos], [0], [0.0], filler_version, False)]
             texts.append("")
-        for k, v in zip(out, vals):
-            out[k].append(v)
-    batch = RolloutBatch(step=step, **out, group_ids=[i // n for i in range(len(episodes))],
-                         prompt_ids=[int(r["id"]) for r in rows], reward_parts={"environment": rewards})
+        for vals in samples:
+            for k, v in zip(out, (*vals, i // n, int(rows[i]["id"]))):
+                out[k].append(v)
+            episode_ids.append(i)
+    batch = RolloutBatch(step=step, **out, reward_parts={"environment": [rewards[e] for e in episode_ids]},
+                         episode_ids=episode_ids)
     done = [e for e, good in zip(episodes, ok) if good]
     stats = {"agent/failed_frac": 1.0 - len(done) / max(1, len(episodes)),
              "agent/calls_per_episode": sum(len(e.calls) for e in episodes) / max(1, len(episodes)),

@@ -1,9 +1,11 @@
 """RolloutBatch: the samples of one RL step, the only thing the orchestrator hands to the learner.
 
-Every per-sample field is a list with one entry per sample, in group order: the samples of a group (one prompt's, or
-one agent episode's) share a group id and are contiguous. Token ids are the engine's own (never re-tokenized text);
-`loss_masks` marks the response tokens that are trained on (1) and those that are not (0: a multi-turn sample's
-environment observations). `reward_parts` holds each reward part unshaped; the learner's step combines and shapes
+Every per-sample field is a list with one entry per sample, in group order: the samples of a group (one prompt's)
+share a group id and are contiguous. An episode is what earns one reward: one sample, except for an agent whose calls
+do not all extend one conversation, whose episode has a sample per conversation (`episode_ids`; contiguous too). The
+estimators compare episodes, and every sample of an episode gets its episode's advantage. Token ids are the engine's
+own (never re-tokenized text); `loss_masks` marks the response tokens that are trained on (1) and those that are not
+(0: a multi-turn sample's environment observations). `reward_parts` holds each reward part unshaped; the learner's step combines and shapes
 them in step order into `scores`.
 
 Checkpoints store the batches generated ahead of the trainer (async rollouts) with `to_json`; `from_json` reads every
@@ -16,6 +18,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 FORMAT = 2
+FILLER = -1  # the episode id of a row that trains nothing (RolloutBatch.with_fillers)
 # The per-sample fields, in the order a batch is built.
 PER_SAMPLE = ("prompts", "responses", "loss_masks", "rollout_logprobs", "versions", "truncated", "group_ids",
               "prompt_ids")
@@ -37,12 +40,17 @@ class RolloutBatch:
     reward_model_ids: list[list[int]] | None = None
     scores: list[float] | None = None  # the parts combined and shaped (set by the learner's step, not stored ahead)
     stats: dict = field(default_factory=dict)  # the step's generation and scoring statistics (metrics.jsonl)
+    # The episode of each sample (agent runs); None: each sample is an episode of its own. FILLER marks a row that
+    # trains nothing and belongs to no episode (the learner's padding).
+    episode_ids: list[int] | None = None
 
     def __post_init__(self):
         n = len(self.prompts)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
+        if self.episode_ids is not None and len(self.episode_ids) != n:
+            raise ValueError(f"RolloutBatch.episode_ids has {len(self.episode_ids)} entries for {n} samples")
         for name, vals in self.reward_parts.items():
             if len(vals) != n:
                 raise ValueError(f"RolloutBatch.reward_parts[{name!r}] has {len(vals)} entries for {n} samples")
@@ -68,7 +76,50 @@ class RolloutBatch:
             self, **{name: pick(getattr(self, name)) for name in PER_SAMPLE},
             reward_parts={k: pick(v) for k, v in self.reward_parts.items()},
             reward_model_ids=None if self.reward_model_ids is None else pick(self.reward_model_ids),
-            scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats))
+            scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats),
+            episode_ids=None if self.episode_ids is None else pick(self.episode_ids))
+
+    # ------------------------------------------------------------------ episodes
+
+    def episode_index(self) -> list[int]:
+        """Each sample's episode numbered 0, 1, ... in order of appearance (FILLER stays FILLER)."""
+        if self.episode_ids is None:
+            return list(range(len(self)))
+        number: dict[int, int] = {}
+        return [FILLER if e == FILLER else number.setdefault(e, len(number)) for e in self.episode_ids]
+
+    def episode_ends(self) -> list[int]:
+        """The last sample of each episode, in episode order: the conversation an episode ended with."""
+        last: dict[int, int] = {}
+        for i, e in enumerate(self.episode_index()):
+            if e != FILLER:
+                last[e] = i
+        return [last[e] for e in sorted(last)]
+
+    def episodes(self) -> RolloutBatch:
+        """One sample per episode (its last): what rewards and evaluation see of the batch."""
+        return self if self.episode_ids is None else self.select(self.episode_ends())
+
+    def per_sample(self, per_episode: list) -> list:
+        """Values of the episodes (in episode order) given to each of their samples."""
+        return [per_episode[e] for e in self.episode_index()]
+
+    def with_fillers(self, k: int, token: int) -> RolloutBatch:
+        """The batch and `k` rows that train nothing (one `token` of response, loss mask 0, score 0, no episode,
+        no group of their own): the learner pads a batch to a whole number of rows per rank and mini-batch."""
+        if k == 0:
+            return self
+        n, version = len(self), max(self.versions)
+        out = RolloutBatch(
+            step=self.step, prompts=self.prompts + [self.prompts[0]] * k, responses=self.responses + [[token]] * k,
+            loss_masks=self.loss_masks + [[0]] * k, rollout_logprobs=self.rollout_logprobs + [[0.0]] * k,
+            versions=self.versions + [version] * k, truncated=self.truncated + [False] * k,
+            group_ids=self.group_ids + [self.group_ids[-1]] * k, prompt_ids=self.prompt_ids + [self.prompt_ids[0]] * k,
+            reward_parts={name: v + [0.0] * k for name, v in self.reward_parts.items()},
+            reward_model_ids=None if self.reward_model_ids is None else self.reward_model_ids + [[token]] * k,
+            scores=None if self.scores is None else self.scores + [0.0] * k, stats=self.stats,
+            episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k)
+        return out
 
     @staticmethod
     def concat(batches: list[RolloutBatch], stats: dict | None = None) -> RolloutBatch:
@@ -78,7 +129,12 @@ class RolloutBatch:
         out = {name: [] for name in PER_SAMPLE}
         parts = {k: [] for k in first.reward_parts}
         rm_ids = [] if first.reward_model_ids is not None else None
+        episodes = [] if any(b.episode_ids is not None for b in batches) else None
         for b in batches:
+            if episodes is not None:  # renumbered as the groups are, so that episodes of different batches stay apart
+                base = len(set(episodes))
+                renumber_e: dict[int, int] = {}
+                episodes += [renumber_e.setdefault(e, base + len(renumber_e)) for e in b.episode_index()]
             if set(b.reward_parts) != set(parts) or (b.reward_model_ids is None) != (rm_ids is None):
                 raise ValueError("RolloutBatch.concat: the batches hold different reward parts")
             renumber: dict[int, int] = {}
@@ -93,7 +149,7 @@ class RolloutBatch:
             if rm_ids is not None:
                 rm_ids += b.reward_model_ids
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
-                            stats=dict(first.stats if stats is None else stats))
+                            stats=dict(first.stats if stats is None else stats), episode_ids=episodes)
 
     def shard(self, rank: int, world: int) -> RolloutBatch:
         """This rank's contiguous 1/world of the samples (the sample count is a multiple of world)."""

@@ -36,7 +36,7 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> RolloutBatch:
         consumed += len(prompts)
         # The task's reward decides, not the overlong penalty (verl's filter_groups metric "acc"): a group whose
         # answers are all right or all wrong teaches nothing whatever their lengths.
-        task = {name: v for name, v in batch.reward_parts.items() if name != "overlong"}
+        task = {name: v for name, v in batch.episodes().reward_parts.items() if name != "overlong"}
         rewards, _ = combine_rewards(task, cfg.reward)
         task_sum += float(rewards.sum())
         for j, spread in enumerate(groups_with_spread(rewards, g)):
@@ -62,7 +62,10 @@ def dynamic_batch(maker, step: int, idx: list[int]) -> RolloutBatch:
     for r, (prompts_r, batch) in enumerate(rounds):
         groups = [j for rr, j in chosen if rr == r]
         if groups:
-            pieces.append(batch.select([j * g + k for j in groups for k in range(g)]))
+            of_group: dict[int, list[int]] = {}  # an agent's episode may have several samples
+            for i, gid in enumerate(batch.group_ids):
+                of_group.setdefault(gid, []).append(i)
+            pieces.append(batch.select([i for j in groups for i in of_group[j]]))
             order += [prompts_r[j] for j in groups]
     out = RolloutBatch.concat(pieces)
     stats = dict(rounds[0][1].stats)

@@ -110,6 +110,7 @@ class Evaluator:
         if set(b.versions) != {served_version}:
             raise RolloutError(f"evaluation of step {step}: the servers answered with policy version(s) "
                                f"{sorted(set(b.versions))}, not {served_version}; a server missed a weight update")
+        b = b.episodes()  # an agent's episode of several conversations counts once: its last
         scores = np.sum([np.asarray(v, dtype=np.float64) for name, v in sorted(b.reward_parts.items())], axis=0)
         scores = scores.tolist()
         per_prompt = [scores[j:j + k] for j in range(0, len(scores), k)]

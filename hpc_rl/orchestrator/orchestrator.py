@@ -126,11 +126,12 @@ class Orchestrator:
         """The batch's reward parts combined (reward.weights) and shaped in step order (its stats join the batch's)."""
         if batch.scores is not None:  # a format-1 batch stored ahead, shaped when it was made
             return batch.scores
-        combined, stats = combine_rewards(batch.reward_parts, self.cfg.reward)
+        # Per episode (agent episodes of several samples count once in the statistics and the normalizer).
+        combined, stats = combine_rewards(batch.episodes().reward_parts, self.cfg.reward)
         shaped = self.shaper(combined)
         batch.stats.update(stats)
         batch.stats.update(describe(shaped, "reward_shaped"))
-        return shaped.tolist()
+        return batch.per_sample(shaped.tolist())
 
     def server_log_tails(self, lines: int = 2) -> str:
         """' | rollout-K.log: last lines' for every server, on one line (an error stays one line)."""

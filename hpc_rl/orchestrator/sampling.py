@@ -147,7 +147,12 @@ class Sampler:
         gen_s = time.time() - t0
         prompt_texts = [dataset.texts[i] for i in idx for _ in range(n)]
         t1 = time.time()
-        self._score(batch, scoring, prompt_texts, texts, rows)
+        view = batch.episodes()  # an episode earns one reward: its parts are scored once, given to all its samples
+        self._score(view, scoring, prompt_texts, texts, rows)
+        if view is not batch:
+            batch.reward_parts = {k: batch.per_sample(v) for k, v in view.reward_parts.items()}
+            if view.reward_model_ids is not None:
+                batch.reward_model_ids = batch.per_sample(view.reward_model_ids)
         return Sampled(batch, texts, prompt_texts, rows, gen_s, time.time() - t1, turn_stats)
 
     def _score(self, batch: RolloutBatch, scoring: Scoring, prompt_texts: list[str], texts: list[str],

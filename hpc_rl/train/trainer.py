@@ -161,14 +161,16 @@ class Trainer:
             return
         t0 = time.time()
         ids = batch.reward_model_ids
-        per_rank = len(ids) // self.dist.world_size
+        world = self.dist.world_size
+        ids = ids + [ids[0]] * (-len(ids) % world)  # an agent's batch need not split evenly: pad, then drop
+        per_rank = len(ids) // world
         mine = ids[self.dist.rank * per_rank:(self.dist.rank + 1) * per_rank]
         rm = self.cfg.reward.model
         # Every rank runs as many forwards (ZeRO-3 gathers each layer from all of them).
         forwards = forwards_needed(per_rank, rm.batch_size)
         logits = score_sequences(self.reward_model, mine, rm.batch_size, self.reward_tokenizer.pad_token_id,
                                  self.dist.device, batches=forwards)
-        batch.reward_parts["model_logits"] = all_gather_floats(logits).tolist()
+        batch.reward_parts["model_logits"] = all_gather_floats(logits).tolist()[:len(batch)]
         batch.stats["reward_model_seconds"] = time.time() - t0
         if debug and self.dist.is_main:
             log.debug("reward model: %d samples on this rank in %d forward(s) of <= %d, longest %d tokens, %.2fs",
@@ -178,8 +180,15 @@ class Trainer:
         """This rank's 1/world of the samples (its share of each mini-batch: update.mini_batch_rows), packed on its
         device."""
         dist = self.dist
-        rows = mini_batch_rows(len(batch), self.cfg.trainer.mini_batch_size, dist.world_size, dist.rank,
-                               self.cfg.seed, step)
+        # The step takes as many optimizer steps as configured. An agent's episodes of several samples make the
+        # batch longer than samples_per_step: its mini-batches grow, padded with rows that train nothing to a whole
+        # number of rows per rank.
+        mini_batches = self.cfg.samples_per_step // self.cfg.trainer.mini_batch_size
+        pad = -len(batch) % (mini_batches * dist.world_size)
+        batch, scores = batch.with_fillers(pad, self.tokenizer.pad_token_id), scores + [0.0] * pad
+        episodes = None if batch.episode_ids is None else torch.tensor(batch.episode_index(), dtype=torch.long)
+        mini_batch = len(batch) // mini_batches
+        rows = mini_batch_rows(len(batch), mini_batch, dist.world_size, dist.rank, self.cfg.seed, step)
         mine = batch.select(rows.tolist())
         masks = mine.loss_masks
         if self.cfg.algorithm.mask_truncated:
@@ -189,7 +198,7 @@ class Trainer:
         rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
         self._tokens = [0, 0]
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
-                     rollout_lp.to(dist.device))
+                     rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes)
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
         """`rows` of `batch` cut into micro-batches (trainer.max_tokens_per_micro_batch or micro_batch_size);
@@ -249,7 +258,8 @@ class Trainer:
         coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
         kl_tok = self.kl(fwd) if coef else torch.zeros_like(mask)
         token_rewards = apply_kl_to_rewards(shard.scores, kl_tok, mask, coef)
-        return compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values, mask), a)
+        return compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values, mask,
+                                                  shard.episodes), a)
 
     def update(self, step: int, shard: Shard, fwd: Forwards, adv, returns) -> dict:
         """The PPO update of `step` (update.py), with the rollout correction's statistics and the step's padding and

@@ -39,6 +39,9 @@ class Shard:
     all_scores: torch.Tensor  # [N] every sample's (shaped) score, on CPU
     scores: torch.Tensor  # [B] this shard's scores, on this rank's device
     rollout_logprobs: torch.Tensor  # [B, R] the rollout engine's log-probs of the sampled tokens (behaviour policy)
+    per_rank_mini_batch: int  # rows of each mini-batch on this rank
+    # [N] every sample's episode (0, 1, ... group by group; -1: padding), on CPU; None: each sample is an episode
+    episodes: torch.Tensor | None = None
 
 
 def mini_batch_rows(samples: int, mini_batch_size: int, world: int, rank: int, seed: int, step: int) -> torch.Tensor:
@@ -81,7 +84,7 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
     fill_old = old_lp is None
     if fill_old:
         old_lp = torch.zeros_like(batch.response_mask)
-    per_rank_mb = cfg.trainer.mini_batch_size // dist.world_size
+    per_rank_mb = shard.per_rank_mini_batch
     n = batch.size
     rng = np.random.default_rng([cfg.seed, step, dist.rank])
     sums: dict[str, float] = {}

@@ -27,6 +27,19 @@ async def lookup_agent(client, task: dict, model: str = "policy") -> dict:
     return {"reward": repeat_digit("", answer, str(task["ground_truth"])), "metrics": {"looked": 1.0}}
 
 
+async def fresh_context_agent(client, task: dict, model: str = "policy") -> dict:
+    """The lookup task played as agents that summarize or hand work to a sub-agent play it: the second call starts
+    from fresh messages (the prompt and the looked-up digit, without the first reply), so an episode is two
+    conversations, trained as two samples that share its reward."""
+    first = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": task["prompt"]}])
+    if CALL not in first.choices[0].message.content:
+        return {"reward": 0.0, "metrics": {"looked": 0.0}}
+    messages = [{"role": "user", "content": task["prompt"]}, {"role": "tool", "content": str(task["ground_truth"])}]
+    second = await client.chat.completions.create(model=model, messages=messages)
+    answer = second.choices[0].message.content
+    return {"reward": repeat_digit("", answer, str(task["ground_truth"])), "metrics": {"looked": 1.0}}
+
+
 async def copy_agent(client, task: dict, model: str = "policy") -> float:
     """The copy toy (hpc_rl.data.toy repeat_digit) as a one-call agent: the prompt text to /v1/completions, the
     reward of the completion. The same samples as the native path's (bench/agent_overhead.py compares them)."""
