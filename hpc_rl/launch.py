@@ -20,6 +20,7 @@ from .config import JobConfig
 from .config.resume import load_for_resume
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.toy import toy_chat_template
+from .data.verifiers_tasks import is_verifiers
 from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import load_tokenizer
@@ -30,6 +31,7 @@ from .nccl import nccl_env
 from .netutil import advertise_host, free_port
 from .orchestrator.agents import check_openai_installed, load_agent
 from .orchestrator.evaluation import check_held_out
+from .orchestrator.verifiers_env import VerifiersEnv
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model
 from .rundir import RunDir, read_json, write_json_atomic
@@ -52,7 +54,10 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         load_reward_fn(cfg.reward.function)
     if cfg.reward.monitor:
         load_reward_fn(cfg.reward.monitor, "reward.monitor")
-    if cfg.rollout.env:
+    if is_verifiers(cfg.rollout.env):  # its harnesses and runtimes are checked before anything starts
+        check_openai_installed("rollout.env")
+        VerifiersEnv(cfg.rollout.env, cfg.rollout.env_kwargs, cfg.data.kwargs)
+    elif cfg.rollout.env:
         load_reward_fn(cfg.rollout.env, "rollout.env")
     if cfg.rollout.agent:
         check_openai_installed()

@@ -72,7 +72,7 @@ async def failing_agent(client, task):
 def _agents(srv, agent: str, **rollout):
     from hpc_rl import config
     from hpc_rl.orchestrator.agent_front import AgentFront
-    from hpc_rl.orchestrator.agents import AgentRollout
+    from hpc_rl.orchestrator.agents import AgentRollout, load_agent
     from hpc_rl.rollout.wire.protocol import RequestLimits
 
     overrides = [f"rollout.agent={agent}", "rollout.agent_kwargs={}", "rollout.max_model_len=32",
@@ -81,7 +81,7 @@ def _agents(srv, agent: str, **rollout):
     tok = load_tokenizer(str(srv.model_dir))
     client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=60, retries=0)
     front = AgentFront(tok, client, [tok.eos_token_id], RequestLimits(32), len(tok), srv.run.read_token(), "m")
-    return AgentRollout(cfg, front), tok, client
+    return AgentRollout(cfg, front, load_agent(cfg.rollout.agent)), tok, client
 
 
 def test_an_agents_calls_are_one_sequence_on_the_engines_tokens(srv):

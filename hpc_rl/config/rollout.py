@@ -105,9 +105,11 @@ class RolloutConfig:
     # so no sample is more than async_steps versions old (checked every step); README "How a step runs".
     async_steps: int = 0
     # Multi-turn rollouts: the environment class as pkg.module:Class (hpc_rl.rollout.environments.base has the
-    # interface; built in: hpc_rl.rollout.environments.tool_env:ToolCallEnv); null: one completion per prompt.
+    # interface; built in: hpc_rl.rollout.environments.tool_env:ToolCallEnv), or verifiers:ID, an installed verifiers
+    # environment (its episodes run as agents; data.source names it too); null: one completion per prompt.
     env: str | None = None
-    # Keyword arguments of the environment's constructor (one instance per trajectory).
+    # Keyword arguments of the environment's constructor (one instance per trajectory); for verifiers:ID the
+    # environment config's fields (its agent seats, e.g. {agent: {harness: {id: "null"}, max_turns: 4}}).
     env_kwargs: dict = field(default_factory=dict)
     # Assistant turns per trajectory; each samples at most max_new_tokens.
     max_turns: int = 4
@@ -168,18 +170,38 @@ def check(cfg: JobConfig, need) -> None:
          f"({cfg.data.max_prompt_tokens})")
     need(0 <= r.port < 65536, f"rollout.port must be in [0, 65535]; got {r.port}")
     need(0 <= r.async_steps <= 16, f"rollout.async_steps must be in [0, 16] (0: synchronous); got {r.async_steps}")
-    if r.env is not None:
+    verifiers = isinstance(r.env, str) and r.env.startswith("verifiers:")
+    if verifiers:
+        _check_verifiers(cfg, need)
+    elif r.env is not None:
         _check_env(cfg, need)
+    if r.agent is not None or verifiers:
+        need(r.agent_concurrency >= 1, f"rollout.agent_concurrency must be >= 1; got {r.agent_concurrency}")
+        need(r.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0; got {r.agent_timeout_s}")
+        need(0 <= r.agent_max_failed_frac <= 1,
+             f"rollout.agent_max_failed_frac must be in [0, 1]; got {r.agent_max_failed_frac}")
     if r.agent is not None:
         need(isinstance(r.agent, str) and ":" in r.agent and all(r.agent.split(":", 1)),
              f"rollout.agent: {r.agent!r} is not pkg.module:function; e.g. "
              "hpc_rl.rollout.environments.toy_agents:lookup_agent")
         need(r.env is None, "rollout.agent and rollout.env are both set; an episode is either an agent's or an "
              "environment's: remove one")
-        need(r.agent_concurrency >= 1, f"rollout.agent_concurrency must be >= 1; got {r.agent_concurrency}")
-        need(r.agent_timeout_s > 0, f"rollout.agent_timeout_s must be > 0; got {r.agent_timeout_s}")
-        need(0 <= r.agent_max_failed_frac <= 1,
-             f"rollout.agent_max_failed_frac must be in [0, 1]; got {r.agent_max_failed_frac}")
+
+
+def _check_verifiers(cfg: JobConfig, need) -> None:
+    """A verifiers environment plays the tasks of its own taskset: data.source (and eval.source) name it."""
+    r = cfg.rollout
+    need(len(r.env) > len("verifiers:"), f"rollout.env: {r.env!r} names no environment; e.g. verifiers:my_env")
+    need(not r.agent_kwargs, "rollout.agent_kwargs: set, but there is no rollout.agent; a verifiers environment's "
+         "settings are rollout.env_kwargs")
+    need(cfg.data.source == r.env, f"data.source: {cfg.data.source!r}; a verifiers environment plays its own "
+         f"taskset's tasks: set data.source: {r.env} (data.kwargs: the taskset's config)")
+    if cfg.eval.enabled:
+        need(cfg.eval_data.source == r.env, f"eval.source: {cfg.eval_data.source!r}; a verifiers environment plays "
+             f"its own taskset's tasks: set eval.source: {r.env} (eval.kwargs: the taskset's config)")
+    need(r.total_tokens(cfg.data.max_prompt_tokens) <= r.max_model_len - cfg.data.max_prompt_tokens,
+         f"rollout.max_total_tokens ({r.max_total_tokens}) must be at most rollout.max_model_len - "
+         f"data.max_prompt_tokens = {r.max_model_len - cfg.data.max_prompt_tokens} (0: all of it)")
 
 
 def _check_env(cfg: JobConfig, need) -> None:

@@ -98,14 +98,19 @@ def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
 
         raw = reasoning_gym_rows(src[len("reasoning_gym:"):], cfg.kwargs, seed, section)
         where = src
+    elif src.startswith("verifiers:"):
+        from .verifiers_tasks import verifiers_rows
+
+        raw = verifiers_rows(src, cfg.kwargs, section)
+        where = src
     elif src.startswith("hf:"):
         raw = _read_hf(src[3:], cfg.split, section)
         where = src
     else:
         path = Path(src)
         if not path.is_file():
-            raise DataError(f"{section}.source: {src} not found; give a .jsonl/.parquet file, hf:NAME, toy:NAME or "
-                            "reasoning_gym:TASK")
+            raise DataError(f"{section}.source: {src} not found; give a .jsonl/.parquet file, hf:NAME, toy:NAME, "
+                            "reasoning_gym:TASK or verifiers:ID")
         if path.suffix == ".jsonl" or path.suffix == ".json":
             raw = _read_jsonl(path)
         elif path.suffix == ".parquet":

@@ -230,11 +230,22 @@ def check_reward(ctx: Ctx) -> list[Result]:
 
 @check("job:agent", needs_job=True)
 def check_agent(ctx: Ctx) -> Result:
-    """rollout.agent imports, is `async def`, and the openai package its client needs is installed."""
+    """rollout.agent imports, is `async def`, and the openai package its client needs is installed (or the verifiers
+    environment of rollout.env loads, with what a Slurm node can run)."""
+    from ..data.verifiers_tasks import is_verifiers
     from ..errors import ConfigError, RewardError
     from ..orchestrator.agents import check_openai_installed, load_agent
+    from ..orchestrator.verifiers_env import VerifiersEnv
 
-    spec = ctx.job.rollout.agent
+    spec, r = ctx.job.rollout.agent, ctx.job.rollout
+    if is_verifiers(r.env):
+        try:
+            check_openai_installed("rollout.env")
+            VerifiersEnv(r.env, r.env_kwargs, ctx.job.data.kwargs)
+        except (ConfigError, RewardError) as e:
+            return Result("job:agent", FAIL, str(e), "install the environment (pip install it, or put its module on "
+                          "PYTHONPATH) and the envs extra (./install.sh --envs)")
+        return Result("job:agent", OK, f"{r.env} loads; its harnesses run as plain processes")
     if not spec:
         return Result("job:agent", OK, "no rollout.agent")
     try:

@@ -10,6 +10,7 @@ with the cause, counted in agent/failed_frac); past rollout.agent_max_failed_fra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, RewardError, first_line
 from ..rewards.base import load_reward_fn
-from .agent_front import AgentFront
+from .agent_front import AgentFront, encode
 from .agent_trace import Call, TraceSample, samples_of
 from .batch import RolloutBatch
 
@@ -75,9 +76,9 @@ def _number(v) -> bool:
 class AgentRollout:
     """Runs a step's (or an evaluation's) episodes against the agent front; one per run, on rank 0."""
 
-    def __init__(self, cfg, front: AgentFront):
+    def __init__(self, cfg, front: AgentFront, fn):
         r = cfg.rollout
-        self.fn = load_agent(r.agent)
+        self.fn = fn  # load_agent(rollout.agent), or a verifiers environment (verifiers_env.VerifiersEnv)
         self.kwargs = dict(r.agent_kwargs)
         self.concurrency, self.timeout_s, self.max_failed = r.agent_concurrency, r.agent_timeout_s, \
             r.agent_max_failed_frac
@@ -118,9 +119,12 @@ class AgentRollout:
                                                    request.headers.get("authorization", ""), raw)
                 if work is not None:
                     status, body = await front.aanswer(*work)
-                return httpx.Response(status, json=body)
+                data, kind = encode(body)
+                return httpx.Response(status, content=data, headers={"content-type": kind})
 
-        async with httpx.AsyncClient(transport=InProcess(), timeout=httpx.Timeout(self.timeout_s)) as http:
+        # A verifiers environment's serving resources (its interception server) live for the step's episodes.
+        serving = self.fn.serving(front.token) if hasattr(self.fn, "serving") else contextlib.nullcontext()
+        async with serving, httpx.AsyncClient(transport=InProcess(), timeout=httpx.Timeout(self.timeout_s)) as http:
             async def one(i: int, row: dict) -> EpisodeResult:
                 async with gate:
                     name = f"{i}-{secrets.token_hex(4)}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from ..algos.shaping import overlong_penalty
 from ..config import JobConfig, RewardConfig
 from ..data.datasets import PromptDataset
+from ..data.verifiers_tasks import is_verifiers
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.environments.sandbox import SandboxLimits
@@ -25,10 +26,11 @@ from ..rollout.wire.openai_api import Defaults
 from ..rollout.wire.protocol import RequestLimits
 from ..rollout.wire.sampling import SamplingParams
 from .agent_front import AgentFront
-from .agents import AgentRollout, agent_batch
+from .agents import AgentRollout, agent_batch, load_agent
 from .batch import RolloutBatch
 from .multi_turn import Limits, MultiTurnRollout
 from .seeds import SeedStream
+from .verifiers_env import VerifiersEnv
 
 
 def stop_token_ids(tokenizer, stops: list[str]) -> list[int]:
@@ -78,15 +80,18 @@ class Sampler:
         rw = cfg.reward
         self.reward_inputs = RewardInputs(tokenizer, reward_tokenizer, rw.model.max_length) if rw.model else None
         self.stop_ids = stop_token_ids(tokenizer, cfg.rollout.stop)
-        self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env else None
-        self.agents = self._agents() if cfg.rollout.agent else None
+        verifiers = is_verifiers(cfg.rollout.env)
+        self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env and not verifiers else None
+        self.agents = self._agents() if cfg.rollout.agent or verifiers else None
 
     def _agents(self) -> AgentRollout:
-        """The agent of rollout.agent and the front its clients call (loopback, the run token)."""
+        """The agent of rollout.agent (or the verifiers environment of rollout.env) and the front its clients call
+        (loopback, the run token)."""
         r = self.cfg.rollout
         front = AgentFront(self.tokenizer, self.client, self.stop_ids, RequestLimits.of(r), len(self.tokenizer),
                            self.client.token, self.cfg.model.path)
-        return AgentRollout(self.cfg, front)
+        fn = VerifiersEnv(r.env, r.env_kwargs, self.cfg.data.kwargs) if is_verifiers(r.env) else load_agent(r.agent)
+        return AgentRollout(self.cfg, front, fn)
 
     def close(self) -> None:
         if self.agents is not None:

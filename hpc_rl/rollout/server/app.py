@@ -47,6 +47,13 @@ def json_response(obj, status: int = 200, close: bool = False, headers: dict | N
     return Response(json.dumps(obj), status_code=status, media_type="application/json", headers=headers or None)
 
 
+def openai_response(obj: dict) -> Response:
+    """A completion: one JSON object, or the server-sent events of a streamed request."""
+    if isinstance(obj, openai_api.Streamed):
+        return Response(openai_api.sse(obj), media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return json_response(obj)
+
+
 # The OpenAI-compatible routes answer errors in OpenAI's shape ({"error": {"message", "type", "code"}}): the SDK puts
 # error.message in its exception; the other routes answer {"error": "one line"}, which hpc-rl's clients read.
 OPENAI_PATHS = ("/v1/models", "/v1/completions", "/v1/chat/completions")
@@ -190,12 +197,13 @@ def _engine_routes(r: APIRouter, service, call) -> None:
     @r.post("/v1/completions")
     async def completions(request: Request):
         body = await _json_body(request)
-        return json_response(await until_disconnect(request, lambda cancel: service.completions(body, cancel)))
+        return openai_response(await until_disconnect(request, lambda cancel: service.completions(body, cancel)))
 
     @r.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _json_body(request)
-        return json_response(await until_disconnect(request, lambda cancel: service.chat_completions(body, cancel)))
+        return openai_response(await until_disconnect(request,
+                                                      lambda cancel: service.chat_completions(body, cancel)))
 
     @r.get("/v1/models")
     async def models():

@@ -1,5 +1,8 @@
 """The OpenAI-compatible side of the rollout server: /v1/models, /v1/completions and /v1/chat/completions bodies in,
-responses out (non-streaming), as `openai.OpenAI(base_url=SERVER + "/v1", api_key=RUN_TOKEN)` sends and reads them.
+responses out, as `openai.OpenAI(base_url=SERVER + "/v1", api_key=RUN_TOKEN)` sends and reads them. `stream: true`
+is answered as server-sent events (OpenAI's chunk objects, `stream_options.include_usage` honoured) once the whole
+completion is generated: the engines sample a batch at a time, so the events come together, which every streaming
+client reads as a fast stream (agent harnesses such as verifiers' stream every call).
 
 Any `model` string is accepted: a server serves the run's one policy. Sampling fields a request leaves out take the
 run's `rollout:` settings. `return_token_ids: true` (vLLM's convention) adds the prompt's and each choice's token ids,
@@ -10,6 +13,7 @@ raw log-probs (top alternatives are not served). Every response carries the `pol
 from __future__ import annotations
 
 import itertools
+import json
 import time
 import uuid
 from collections.abc import Callable
@@ -20,7 +24,7 @@ from .protocol import BadRequest, RequestLimits, check_text, int_field, json_obj
 from .sampling import SampleOut, SamplingParams
 
 # Fields OpenAI clients send that change nothing here; anything else unknown is refused by name.
-_IGNORED = {"model", "user", "stream", "echo", "frequency_penalty", "presence_penalty", "metadata", "store",
+_IGNORED = {"model", "user", "stream", "stream_options", "echo", "frequency_penalty", "presence_penalty", "metadata", "store",
             "parallel_tool_calls", "service_tier"}
 _COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "logprobs",
                        "return_token_ids"}
@@ -51,14 +55,32 @@ class Request:
     params: SamplingParams
     logprobs: bool
     token_ids: bool
+    stream: bool = False  # answer as server-sent events
+    include_usage: bool = False  # stream_options.include_usage: a last event with the usage
+
+
+class Streamed(dict):
+    """A response body to send as server-sent events (`sse`), not as one JSON object."""
+
+    include_usage: bool = False
+
+
+def _stream_fields(body: dict) -> tuple[bool, bool]:
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadRequest("stream: expected true or false")
+    opts = body.get("stream_options") or {}
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise BadRequest("stream_options: expected {\"include_usage\": true or false}")
+    if opts and not stream:
+        raise BadRequest("stream_options: only with stream: true")
+    return stream, bool(opts.get("include_usage", False))
 
 
 def _common(body: dict, fields: set[str], what: str) -> None:
     extra = sorted(set(body) - fields - _IGNORED)
     if extra:
         raise BadRequest(f"{extra[0]}: not supported by {what}; valid fields are {', '.join(sorted(fields))}")
-    if body.get("stream"):
-        raise BadRequest("stream: streaming is not served; send stream: false (the SDK's default)")
     if body.get("echo"):
         raise BadRequest("echo: not supported; send echo: false")
     if not isinstance(body.get("return_token_ids", False), bool):
@@ -108,7 +130,7 @@ def parse_completions(body: Any, tokenize: Callable[[str], list[int]], vocab: in
         if lp > 0:
             raise BadRequest(f"logprobs: {lp} top alternatives are not served; send 0 for the sampled tokens' "
                              "log-probs or null")
-    return Request(prompts, params, lp is not None, bool(body.get("return_token_ids", False)))
+    return Request(prompts, params, lp is not None, bool(body.get("return_token_ids", False)), *_stream_fields(body))
 
 
 def check_messages(messages: Any) -> list[dict]:
@@ -163,7 +185,7 @@ def parse_chat(body: Any, render: Callable[[list[dict]], list[int]], vocab: int 
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise BadRequest(f"top_logprobs: {top} alternatives are not served; send 0 or leave it out")
-    return Request(prompts, params, lp, bool(body.get("return_token_ids", False)))
+    return Request(prompts, params, lp, bool(body.get("return_token_ids", False)), *_stream_fields(body))
 
 
 def _usage(req: Request, outputs: list[list[SampleOut]]) -> dict:
@@ -188,8 +210,9 @@ def completion_response(req: Request, outputs: list[list[SampleOut]], decode: Ca
             if req.token_ids:
                 c["prompt_token_ids"], c["token_ids"] = prompt, s.token_ids
             choices.append(c)
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": _usage(req, outputs), "policy_version": version}
+    return _streamed(req, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                           "model": model, "choices": choices, "usage": _usage(req, outputs),
+                           "policy_version": version})
 
 
 def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable[[list[int]], str], model: str,
@@ -210,7 +233,42 @@ def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable
            "model": model, "choices": choices, "usage": _usage(req, outputs), "policy_version": version}
     if req.token_ids:
         out["prompt_token_ids"] = req.prompts[0]
-    return out
+    return _streamed(req, out)
+
+
+def _streamed(req: Request, out: dict) -> dict:
+    if not req.stream:
+        return out
+    streamed = Streamed(out)
+    streamed.include_usage = req.include_usage
+    return streamed
+
+
+def sse(response: Streamed) -> bytes:
+    """A whole response as OpenAI's stream: per choice one chunk with its content (the role, text, log-probs and
+    token ids), one with its finish reason; the usage chunk when asked for; then `data: [DONE]`."""
+    chat = response["object"] == "chat.completion"
+    head = {"id": response["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": response["created"], "model": response["model"], "policy_version": response["policy_version"]}
+    if "prompt_token_ids" in response:
+        head["prompt_token_ids"] = response["prompt_token_ids"]
+    usage = {"usage": None} if response.include_usage else {}
+    events = []
+    for c in response["choices"]:
+        if chat:
+            first = {"index": c["index"], "delta": {"role": "assistant", "content": c["message"]["content"]},
+                     "logprobs": c["logprobs"], "finish_reason": None}
+            last = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
+        else:
+            first = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
+            last = {"index": c["index"], "text": "", "logprobs": None, "finish_reason": c["finish_reason"]}
+        for k in ("token_ids", "prompt_token_ids"):
+            if k in c:
+                first[k] = c[k]
+        events += [{**head, "choices": [first], **usage}, {**head, "choices": [last], **usage}]
+    if response.include_usage:
+        events.append({**head, "choices": [], "usage": response["usage"]})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + b"data: [DONE]\n\n"
 
 
 # OpenAI's error types by HTTP status; the SDK raises its exception by status and carries error.message.
