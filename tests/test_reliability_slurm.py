@@ -23,7 +23,7 @@ from hpc_rl.data.sampler import indices_for_step  # noqa: E402
 from hpc_rl.rundir import read_json  # noqa: E402
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
-STEPS = 10
+STEPS = 24  # still training when the signal comes after the checks (a step takes ~0.4 s on a fast machine)
 RANGE_STEPS = 40  # the node range test's run: still training when the preemption signal comes
 
 

@@ -38,6 +38,7 @@ log = logging.getLogger("hpc_rl")
 MAX_BODY = 16 << 20  # bytes of one request body
 GATHER_S = 0.005  # how long a free wave slot waits for more calls of the running episodes
 MAX_WAVES = 2  # waves in flight: one is generated while the next gathers
+ENCODE_CACHE = 4096  # text prompts whose token ids the front keeps
 
 
 @dataclass
@@ -72,6 +73,7 @@ class AgentFront:
         self.stop_ids, self.limits, self.vocab, self.token, self.model_name = stop_ids, limits, vocab, token, model_name
         self.fmt = ChatFormat(tokenizer) if getattr(tokenizer, "chat_template", None) else None
         self._episodes: dict[str, Episode] = {}
+        self._encoded: dict[str, list[int]] = {}  # text prompt -> ids (_encode)
         self._lock = threading.Condition()
         self._pending: list[_Pending] = []
         self._closed = False
@@ -206,7 +208,12 @@ class AgentFront:
                 last = out.token_ids[-1] if out.token_ids else None
                 ep.last = (last, out.finish_reason == "stop" and last in self.stop_ids)
         respond = openai_api.chat_response if route == "chat/completions" else openai_api.completion_response
-        return respond(req, [[out]], self._decode, self.model_name, int(version))
+        whole = out.token_ids
+
+        def decode(ids: list[int]) -> str:  # the completion is decoded once (above); its tokens' pieces here
+            return text if ids is whole else self._decode(ids)
+
+        return respond(req, [[out]], decode, self.model_name, int(version))
 
     def answer(self, episode: str, route: str, body) -> tuple[int, dict]:
         """(status, body) of `call`: an API error for the agent when it raises (the run logs an unexpected one)."""
@@ -241,7 +248,13 @@ class AgentFront:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        """A text prompt's ids; the episodes of a group send the same prompt, tokenized once (a bounded cache)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= ENCODE_CACHE:
+                self._encoded.clear()
+            ids = self._encoded[text] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids)
 
     # ------------------------------------------------------------------ waves
 
