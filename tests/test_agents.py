@@ -84,20 +84,27 @@ def _agents(srv, agent: str, **rollout):
     return AgentRollout(cfg, front, load_agent(cfg.rollout.agent)), tok, client
 
 
+def _play(srv, agent: str):
+    """4 episodes of `agent` (rows `i + i` with answer 2i; call k of episode i seeded 1000 i + k): (rows, results,
+    tokenizer, client)."""
+    from hpc_rl.rollout.wire.openai_api import Defaults
+
+    agents, tok, client = _agents(srv, agent)
+    rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
+    try:
+        return rows, agents.run(rows, 0, lambda ep, k: 1000 * ep + k, Defaults(3, 1.0, 1.0, -1)), tok, client
+    finally:
+        agents.front.shutdown()
+
+
 def test_an_agents_calls_are_one_sequence_on_the_engines_tokens(srv):
     """Two appended chat calls per episode, through the real openai SDK and the agent front: each episode is one
     sample whose prompt is the first call's, whose response is both completions (trained) around the tool message's
     tokens (masked); every completion is what /generate samples for the same prompt ids and seed, and the second
     call's prompt holds the first completion's ids as the engine made them (not its text tokenized again)."""
     from hpc_rl.orchestrator.agents import agent_batch
-    from hpc_rl.rollout.wire.openai_api import Defaults
 
-    agents, tok, client = _agents(srv, "tests.test_agents:two_call_agent")
-    rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
-    try:
-        results = agents.run(rows, 0, lambda ep, k: 1000 * ep + k, Defaults(3, 1.0, 1.0, -1))
-    finally:
-        agents.front.shutdown()
+    rows, results, tok, client = _play(srv, "tests.test_agents:two_call_agent")
     for i, r in enumerate(results):
         assert r.error is None and len(r.calls) == 2 and len(r.samples) == 1, r
         first, second = r.calls
@@ -130,14 +137,8 @@ def test_an_episode_of_two_conversations_is_two_samples_with_its_reward(srv):
     """Calls that do not extend each other are samples of their own, each on its call's engine tokens (the whole
     completion trained); both carry the episode's reward, group and episode id."""
     from hpc_rl.orchestrator.agents import agent_batch
-    from hpc_rl.rollout.wire.openai_api import Defaults
 
-    agents, tok, _ = _agents(srv, "tests.test_agents:two_conversation_agent")
-    rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
-    try:
-        results = agents.run(rows, 0, lambda ep, k: 100 * ep + k, Defaults(3, 1.0, 1.0, -1))
-    finally:
-        agents.front.shutdown()
+    rows, results, tok, _ = _play(srv, "tests.test_agents:two_conversation_agent")
     for r in results:
         assert r.error is None and len(r.calls) == 2 and len(r.samples) == 2, r
         for call, sample in zip(r.calls, r.samples):

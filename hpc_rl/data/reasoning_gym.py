@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 
 from ..errors import DataError, first_line
+from .extras import import_extra
 
 DEFAULT_SIZE = 1000
 # Added to the job's seed for held-out items (eval.source) when eval.kwargs does not set its own seed.
@@ -20,12 +21,8 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 def _import(section: str):
-    try:
-        import reasoning_gym
-    except ImportError:
-        raise DataError(f"{section}.source: reasoning_gym: tasks need the reasoning-gym package; run ./install.sh "
-                        "--envs (or pip install 'hpc-rl[envs]')") from None
-    return reasoning_gym
+    return import_extra("reasoning_gym", f"{section}.source", "reasoning_gym: tasks need the reasoning-gym package",
+                        DataError)
 
 
 def task_names(spec: str, section: str = "data") -> list[str]:

@@ -5,6 +5,7 @@ taskset's config. Rows keep the task (`verifiers_task`: its data as JSON), which
 from __future__ import annotations
 
 from ..errors import ConfigError, DataError, first_line
+from .extras import import_extra
 
 PREFIX = "verifiers:"
 
@@ -14,12 +15,7 @@ def is_verifiers(spec) -> bool:
 
 
 def import_verifiers(key: str):
-    try:
-        import verifiers.v1 as vf
-    except ImportError:
-        raise ConfigError(f"{key}: verifiers: environments need the verifiers package; run ./install.sh --envs (or "
-                          "pip install 'hpc-rl[envs]')") from None
-    return vf
+    return import_extra("verifiers.v1", key, "verifiers: environments need the verifiers package", ConfigError)
 
 
 def check_id(spec: str, key: str) -> str:
