@@ -1,4 +1,4 @@
-"""RolloutBatch, the one thing the orchestrator hands to the learner: its invariants, select/concat, sharding, and
+"""RolloutBatch, the one thing the orchestrator hands to the learner: its invariants, select/concat, episodes, and
 its serialization for checkpoints (format 2, and format 1: the plain dict earlier versions stored)."""
 
 import json
@@ -26,14 +26,13 @@ def test_every_per_sample_field_has_one_entry_per_sample():
         RolloutBatch(**{**b.__dict__, "reward_parts": {"function": [1.0]}})
 
 
-def test_select_concat_and_shard_keep_samples_and_groups_together():
+def test_select_and_concat_keep_samples_and_groups_together():
     a, b = batch(), batch(offset=10)
     both = RolloutBatch.concat([a.select([2, 3]), b.select([0, 1, 2, 3])])
     assert both.step == 3 and len(both) == 6 and both.stats == a.stats
     assert both.group_ids == [0, 0, 1, 1, 2, 2]  # renumbered: the pieces' groups stay apart
     assert both.prompt_ids == [101, 101, 110, 110, 111, 111]
     assert both.reward_parts["function"] == [2.0, 3.0, 10.0, 11.0, 12.0, 13.0]
-    assert both.shard(1, 2).responses == both.responses[3:]
     with pytest.raises(ValueError, match="different reward parts"):
         RolloutBatch.concat([a, batch(parts=("function", "overlong"))])
 

@@ -151,11 +151,6 @@ class RolloutBatch:
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
                             stats=dict(first.stats if stats is None else stats), episode_ids=episodes)
 
-    def shard(self, rank: int, world: int) -> RolloutBatch:
-        """This rank's contiguous 1/world of the samples (the sample count is a multiple of world)."""
-        per = len(self) // world
-        return self.select(list(range(rank * per, (rank + 1) * per)))
-
     # ------------------------------------------------------------------ checkpoints
 
     def to_json(self) -> dict:
