@@ -40,6 +40,8 @@ class DigitData(TaskData):
 class DigitTask(Task[DigitData, State, TaskConfig]):
     @reward(weight=1.0)
     async def repeats(self, trace: Trace) -> float:
+        if self.data.id == "digit-7":
+            raise ValueError("task 7 cannot be scored")
         chars = _reply(trace).replace(" ", "")[:4]
         return sum(c == self.data.digit for c in chars) / 4
 
@@ -132,9 +134,12 @@ def test_a_verifiers_episode_trains_on_the_engines_tokens_of_what_verifiers_reco
             front.shutdown()
     finally:
         stop_server(proc)
-    assert [r.error for r in results] == [None] * 8
+    # An episode whose scoring raised is lost with verifiers' error (counted, its slot kept), not the run.
+    assert [r.error for r in results[:7]] == [None] * 7
+    assert results[7].error.startswith("raised RuntimeError: the verifiers episode failed: ") and \
+        "task 7 cannot be scored" in results[7].error, results[7].error
     by_digit = {digit: ep for digit, ep in recorded}
-    for row, r in zip(rows, results):
+    for row, r in zip(rows[:7], results[:7]):
         (trace,) = by_digit[row["verifiers_task"]["digit"]].traces
         (call,) = r.calls
         (sample,) = r.samples
@@ -146,8 +151,9 @@ def test_a_verifiers_episode_trains_on_the_engines_tokens_of_what_verifiers_reco
         assert sample.prompt == tok(want, add_special_tokens=False)["input_ids"]
         assert r.reward == trace.reward and r.metrics == {"reply_chars": float(len(reply))}
     batch, _, stats = agent_batch(results, rows, 2, 0, [[1]] * 4, tok)
-    assert batch.reward_parts["environment"] == [r.reward for r in results]
-    assert stats["agent/reply_chars"] == pytest.approx(sum(r.metrics["reply_chars"] for r in results) / 8)
+    assert batch.reward_parts["environment"] == [r.reward for r in results[:7]] + [results[6].reward]
+    assert stats["agent/failed_frac"] == 1 / 8
+    assert stats["agent/reply_chars"] == pytest.approx(sum(r.metrics["reply_chars"] for r in results[:7]) / 7)
 
 
 def test_what_a_slurm_node_cannot_run_is_refused_with_one_line(env_dir, model_dir):
@@ -196,7 +202,7 @@ def test_a_run_trains_and_evaluates_through_a_verifiers_environment(env_dir, mod
                         "checkpoint.every=0", "model.tiny=null", f"model.path={model_dir}", "rollout.agent=null",
                         "rollout.agent_kwargs={}",
                         "rollout.env=verifiers:vf_digits", "rollout.env_kwargs={agent: {harness: {id: 'null'}}}",
-                        "data.source=verifiers:vf_digits", "data.kwargs={size: 16}", "data.max_prompt_tokens=16",
+                        "data.source=verifiers:vf_digits", "data.kwargs={size: 7}", "data.max_prompt_tokens=16",
                         "rollout.max_model_len=40", "trainer.steps=2", "trainer.prompts_per_step=2",
                         "algorithm.group_size=4", "trainer.mini_batch_size=8",
                         "eval.source=verifiers:vf_digits", "eval.kwargs={size: 2}", "eval.every=2",
