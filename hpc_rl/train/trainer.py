@@ -286,7 +286,9 @@ class Trainer:
         and still absurd: an lr of 1e30 gives |w| ~ 1e30, whose forward overflows). PolicyNotFinite on every rank
         when either fails."""
         names = list(self.engines)  # the same order on every rank
-        probe = shard.batch.slice(slice(0, 1))
+        trained = (shard.batch.response_mask.sum(-1) > 0).nonzero()  # not a padding row: its check is empty
+        first = int(trained[0]) if len(trained) else 0
+        probe = shard.batch.slice(slice(first, first + 1))
         with torch.no_grad():
             self.actor.eval()
             lp, _ = policy_forward(self.actor, probe)
