@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from ..data.verifiers_tasks import check_id, is_verifiers
+
 if TYPE_CHECKING:
     from .job import JobConfig
 
@@ -170,7 +172,7 @@ def check(cfg: JobConfig, need) -> None:
          f"({cfg.data.max_prompt_tokens})")
     need(0 <= r.port < 65536, f"rollout.port must be in [0, 65535]; got {r.port}")
     need(0 <= r.async_steps <= 16, f"rollout.async_steps must be in [0, 16] (0: synchronous); got {r.async_steps}")
-    verifiers = isinstance(r.env, str) and r.env.startswith("verifiers:")
+    verifiers = is_verifiers(r.env)
     if verifiers:
         _check_verifiers(cfg, need)
     elif r.env is not None:
@@ -191,7 +193,7 @@ def check(cfg: JobConfig, need) -> None:
 def _check_verifiers(cfg: JobConfig, need) -> None:
     """A verifiers environment plays the tasks of its own taskset: data.source (and eval.source) name it."""
     r = cfg.rollout
-    need(len(r.env) > len("verifiers:"), f"rollout.env: {r.env!r} names no environment; e.g. verifiers:my_env")
+    check_id(r.env, "rollout.env")
     need(not r.agent_kwargs, "rollout.agent_kwargs: set, but there is no rollout.agent; a verifiers environment's "
          "settings are rollout.env_kwargs")
     need(cfg.data.source == r.env, f"data.source: {cfg.data.source!r}; a verifiers environment plays its own "
@@ -199,9 +201,17 @@ def _check_verifiers(cfg: JobConfig, need) -> None:
     if cfg.eval.enabled:
         need(cfg.eval_data.source == r.env, f"eval.source: {cfg.eval_data.source!r}; a verifiers environment plays "
              f"its own taskset's tasks: set eval.source: {r.env} (eval.kwargs: the taskset's config)")
-    need(r.total_tokens(cfg.data.max_prompt_tokens) <= r.max_model_len - cfg.data.max_prompt_tokens,
-         f"rollout.max_total_tokens ({r.max_total_tokens}) must be at most rollout.max_model_len - "
-         f"data.max_prompt_tokens = {r.max_model_len - cfg.data.max_prompt_tokens} (0: all of it)")
+    _check_budget(cfg, need)
+
+
+def _check_budget(cfg: JobConfig, need) -> None:
+    """An episode's response tokens (all its turns) fit beside the prompt."""
+    r = cfg.rollout
+    budget = r.total_tokens(cfg.data.max_prompt_tokens)
+    need(r.max_total_tokens >= 0 and budget >= 1 and
+         budget <= r.max_model_len - cfg.data.max_prompt_tokens,
+         f"rollout.max_total_tokens ({r.max_total_tokens}) must be in [1, rollout.max_model_len - "
+         f"data.max_prompt_tokens = {r.max_model_len - cfg.data.max_prompt_tokens}] (0: all of it)")
 
 
 def _check_env(cfg: JobConfig, need) -> None:
@@ -209,11 +219,7 @@ def _check_env(cfg: JobConfig, need) -> None:
     need(isinstance(r.env, str) and ":" in r.env and all(r.env.split(":", 1)),
          f"rollout.env: {r.env!r} is not pkg.module:Class; e.g. hpc_rl.rollout.environments.tool_env:ToolCallEnv")
     need(r.max_turns >= 1, f"rollout.max_turns must be >= 1; got {r.max_turns}")
-    budget = r.total_tokens(cfg.data.max_prompt_tokens)
-    need(r.max_total_tokens >= 0 and budget >= 1 and
-         budget <= r.max_model_len - cfg.data.max_prompt_tokens,
-         f"rollout.max_total_tokens ({r.max_total_tokens}) must be in [1, rollout.max_model_len - "
-         f"data.max_prompt_tokens = {r.max_model_len - cfg.data.max_prompt_tokens}] (0: all of it)")
+    _check_budget(cfg, need)
     need(r.tool_timeout_s > 0, f"rollout.tool_timeout_s must be > 0; got {r.tool_timeout_s}")
     need(0 < sb.wall_s <= r.tool_timeout_s, f"rollout.sandbox.wall_s must be in (0, rollout.tool_timeout_s = "
          f"{r.tool_timeout_s}]; got {sb.wall_s}")
