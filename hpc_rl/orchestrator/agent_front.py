@@ -318,13 +318,6 @@ def _failure(e: Exception) -> tuple[int, dict]:
     return _error(500, f"{type(e).__name__}: {first_line(e)}")[:2]
 
 
-def encode(body: dict) -> tuple[bytes, str]:
-    """An answer's bytes and content type: JSON, or a streamed completion's server-sent events."""
-    if isinstance(body, openai_api.Streamed):
-        return openai_api.sse(body), "text/event-stream"
-    return json.dumps(body).encode(), "application/json"
-
-
 def _plain(m: dict) -> dict:
     """A message as the recorded conversation compares it: role and text content."""
     content = m.get("content")
@@ -345,7 +338,7 @@ class _Handler(BaseHTTPRequestHandler):
         pass
 
     def _send(self, status: int, body: dict) -> None:
-        data, kind = encode(body)
+        data, kind = openai_api.encode(body)
         self.send_response(status)
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(len(data)))

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 
 from ..errors import ConfigError, RewardError, first_line
 from ..rewards.base import load_reward_fn
-from .agent_front import AgentFront, encode
+from ..rollout.wire import openai_api
+from .agent_front import AgentFront
 from .agent_trace import Call, TraceSample, samples_of
 from .batch import RolloutBatch
 
@@ -119,7 +120,7 @@ class AgentRollout:
                                                    request.headers.get("authorization", ""), raw)
                 if work is not None:
                     status, body = await front.aanswer(*work)
-                data, kind = encode(body)
+                data, kind = openai_api.encode(body)
                 return httpx.Response(status, content=data, headers={"content-type": kind})
 
         # A verifiers environment's serving resources (its interception server) live for the step's episodes.

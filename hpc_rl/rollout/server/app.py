@@ -49,9 +49,9 @@ def json_response(obj, status: int = 200, close: bool = False, headers: dict | N
 
 def openai_response(obj: dict) -> Response:
     """A completion: one JSON object, or the server-sent events of a streamed request."""
-    if isinstance(obj, openai_api.Streamed):
-        return Response(openai_api.sse(obj), media_type="text/event-stream", headers={"cache-control": "no-cache"})
-    return json_response(obj)
+    data, kind = openai_api.encode(obj)
+    streamed = kind == "text/event-stream"
+    return Response(data, media_type=kind, headers={"cache-control": "no-cache"} if streamed else None)
 
 
 # The OpenAI-compatible routes answer errors in OpenAI's shape ({"error": {"message", "type", "code"}}): the SDK puts

@@ -244,6 +244,13 @@ def _streamed(req: Request, out: dict) -> dict:
     return streamed
 
 
+def encode(body: dict) -> tuple[bytes, str]:
+    """An answer's bytes and content type: one JSON object, or a streamed completion's server-sent events."""
+    if isinstance(body, Streamed):
+        return sse(body), "text/event-stream"
+    return json.dumps(body).encode(), "application/json"
+
+
 def sse(response: Streamed) -> bytes:
     """A whole response as OpenAI's stream: per choice one chunk with its content (the role, text, log-probs and
     token ids), one with its finish reason; the usage chunk when asked for; then `data: [DONE]`."""
