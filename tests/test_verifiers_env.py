@@ -218,3 +218,16 @@ def test_a_run_trains_and_evaluates_through_a_verifiers_environment(env_dir, mod
     evals = read_metrics(run / "eval.jsonl")
     assert [e["step"] for e in evals] == [0, 2] and all(e["eval/prompts"] == 2 for e in evals)
     assert len(read_metrics(run / "eval" / "step_2.jsonl")) == 4
+
+
+def test_a_harness_program_whose_dependencies_this_python_lacks_is_named():
+    """The run's Python stands in for uv: a program's PEP 723 dependencies must be installed, at a matching version."""
+    import importlib.metadata
+
+    from hpc_rl.orchestrator.verifiers_env import missing_requirements
+
+    script = (b'# /// script\n# requires-python = ">=3.10"\n'
+              b'# dependencies = ["packaging", "no-such-dist-hpc-rl", "pytest<1"]\n# ///\nprint("hi")\n')
+    assert missing_requirements(script) == [
+        "no-such-dist-hpc-rl", f"pytest<1 (installed: {importlib.metadata.version('pytest')})"]
+    assert missing_requirements(b'print("no metadata")\n') == []

@@ -30,6 +30,7 @@ from ..data.verifiers_tasks import check_id, import_verifiers
 from ..errors import ConfigError, first_line
 
 KEY_VAR = "HPC_RL_AGENT_API_KEY"  # the harness subprocesses never see it (verifiers drops *API_KEY* variables)
+_PREPARED: set[Path] = set()  # harness programs written and found runnable by this Python
 
 
 def _script_requirements(script: bytes) -> list[str]:
@@ -65,17 +66,18 @@ async def _prepare_with_this_python(self, script, env=None, *, activate: bool = 
     """Runtime.prepare_uv_script for the subprocess runtime: the program runs with this Python (see the module's
     docstring) instead of an environment uv downloads."""
     data = script.encode() if isinstance(script, str) else script
-    missing = missing_requirements(data)
-    if missing:
-        raise RuntimeError(f"a harness program needs {', '.join(missing)}, which this Python's environment lacks; "
-                           "install them into the run's venv (compute nodes cannot download them)")
-    folder = Path(self.scripts_dir) / "hpc-rl"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{hashlib.sha256(data).hexdigest()}.py"
-    if not path.exists():
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
+    path = Path(self.scripts_dir) / "hpc-rl" / f"{hashlib.sha256(data).hexdigest()}.py"
+    if path not in _PREPARED:  # every episode prepares its harness: checked and written once per program
+        missing = missing_requirements(data)
+        if missing:
+            raise RuntimeError(f"a harness program needs {', '.join(missing)}, which this Python's environment lacks; "
+                               "install them into the run's venv (compute nodes cannot download them)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if not path.exists():
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        _PREPARED.add(path)
     return [sys.executable, str(path)]
 
 
