@@ -19,6 +19,7 @@ from . import config, rundir, tracking
 from .config import JobConfig
 from .config.resume import load_for_resume
 from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
+from .data.sft import SFTDataset
 from .data.toy import toy_chat_template
 from .data.verifiers_tasks import is_verifiers
 from .errors import ConfigError, HpcRlError
@@ -88,9 +89,14 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         elif rm is not None:
             rm.path = str(Path(rm.path).resolve())
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
-        train = PromptDataset(cfg.data, tokenizer, cfg.seed)
-        if cfg.eval.enabled:
-            check_held_out(cfg, train, PromptDataset(cfg.eval_data, tokenizer, cfg.seed, "eval"))
+        if cfg.algorithm.supervised:  # every row's target and length, before anything starts
+            SFTDataset(cfg.data, tokenizer, cfg.seed)
+            if cfg.eval.enabled:
+                SFTDataset(cfg.eval_data, tokenizer, cfg.seed, "eval")
+        else:
+            train = PromptDataset(cfg.data, tokenizer, cfg.seed)
+            if cfg.eval.enabled:
+                check_held_out(cfg, train, PromptDataset(cfg.eval_data, tokenizer, cfg.seed, "eval"))
         check_lora_targets(cfg)
         for section in (cfg.data, cfg.eval):
             if section.source and section.source.endswith((".jsonl", ".json", ".parquet")):
@@ -459,7 +465,8 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
             devices.update({("reward", k): [devs[len(devs) - n_reward + k]] for k in range(n_reward)})
         keeper = ServerKeeper(run, cfg, entries, devices, rollout_cpus)
         servers = keeper.procs
-        log.info("run dir %s: %d rollout server(s)%s, %d trainer rank(s)", run.root, n_servers,
+        log.info("run dir %s: %s%s, %d trainer rank(s)", run.root,
+                 "SFT, no rollout servers" if cfg.algorithm.supervised else f"{n_servers} rollout server(s)",
                  f", {n_reward} reward server(s)" if n_reward else "", cfg.world_size)
         trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"), cpus=trainer_cpus)
         code = wait_trainers(run, trainers, servers, keeper)

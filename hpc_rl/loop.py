@@ -18,7 +18,7 @@ import sys
 import time
 import traceback
 
-from . import checkpoints
+from . import checkpoints, preemption
 from .config import JobConfig
 from .errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingError
 from .metrics import format_step_line, read_metrics
@@ -28,16 +28,6 @@ from .stop_at import StopAt
 
 log = logging.getLogger("hpc_rl")
 debug = os.environ.get("HPC_RL_DEBUG") == "1"
-
-# Set by SIGUSR1/SIGUSR2 (Slurm's warning before preemption or the time limit): checkpoint and stop at the next step
-# boundary, where all ranks agree through an all-reduce.
-_preempt_requested = False
-
-
-def request_preemption(*_args) -> None:
-    global _preempt_requested
-    _preempt_requested = True
-
 
 class NoServer(Exception):
     """Every rank at once: rank 0 got no samples (no rollout server answered): wait for one, or checkpoint and stop."""
@@ -104,7 +94,7 @@ def rl_step(step: int, cfg: JobConfig, dist, learner, orch) -> dict:
     stats = learner.update(step, shard, fwd, adv, returns)  # 7: PPO epochs over mini-batches
     t_update = time.time() - t0
     try:
-        learner.check_policy(step, shard, stats)  # a non-finite policy is neither pushed nor checkpointed
+        learner.check_policy(step, shard.batch, stats)  # a non-finite policy is neither pushed nor checkpointed
     except PolicyNotFinite as e:
         raise NotFinite(str(e)) from None
     t0 = time.time()
@@ -233,7 +223,7 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                          stopped)
             break
         # Preemption: one rank got the signal; all of them stop here, at the same step boundary.
-        if learner.step < total and all_reduce_scalar(1.0 if _preempt_requested else 0.0, "max") > 0:
+        if learner.step < total and preemption.agreed():
             if not saved:
                 save(learner, orch)
             preempted = True
@@ -296,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     # Slurm's warning signal (submitit asks for USR2; USR1 when sent by hand): checkpoint at the next step
     # boundary and exit, instead of the default action (death) that would lose the step.
-    signal.signal(signal.SIGUSR1, request_preemption)
-    signal.signal(signal.SIGUSR2, request_preemption)
+    signal.signal(signal.SIGUSR1, preemption.request)
+    signal.signal(signal.SIGUSR2, preemption.request)
     from .logs import setup_logging
     from .tracking import deepspeed_without_mlflow
 
@@ -312,7 +302,12 @@ def main(argv: list[str] | None = None) -> int:
             cfg.resolve_trainer_nodes(int(os.environ["WORLD_SIZE"]) // cfg.trainer.procs_per_node)
         with deepspeed_without_mlflow():
             import deepspeed  # noqa: F401 (imported once here, without MLflow's hooks)
-        train(cfg, run, init_distributed(cfg))
+        if cfg.algorithm.supervised:
+            from .sft_loop import train_sft
+
+            train_sft(cfg, run, init_distributed(cfg))
+        else:
+            train(cfg, run, init_distributed(cfg))
         shutdown_distributed()  # every rank left fit() after the same last collective; its engines are out of scope
         return 0
     except HpcRlError as e:

@@ -14,14 +14,14 @@ log = logging.getLogger("hpc_rl")
 
 # The one line per step, in this order; other metrics go to the files only.
 STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("monitor_mean", "monitor", "{:.3f}"), ("kl", "kl", "{:.4f}"),
-             ("policy_loss", "pg_loss", "{:.4f}"), ("tool_calls_per_sample", "tools/sample", "{:.2f}"),
+             ("policy_loss", "pg_loss", "{:.4f}"), ("loss", "loss", "{:.4f}"), ("tool_calls_per_sample", "tools/sample", "{:.2f}"),
              ("turns_per_sample", "turns", "{:.2f}"), ("truncated_frac", "truncated", "{:.2f}"),
              ("groups_kept_frac", "groups kept", "{:.2f}"), ("generated_reward_mean", "generated reward", "{:.3f}"),
              ("value_loss", "vf_loss", "{:.4f}"), ("entropy", "entropy", "{:.3f}"), ("grad_norm", "grad", "{:.3f}"),
              ("step_seconds", "s/step", "{:.2f}"), ("trainer_wait_seconds", "wait s", "{:.2f}"),
              ("rollout_idle_seconds", "rollout idle s", "{:.2f}"), ("gen_tokens_per_s", "gen tok/s", "{:.0f}"),
              ("eval/step", "eval of step", "{:.0f}"), ("eval/pass@1", "eval pass@1", "{:.3f}"),
-             ("eval/reward_mean", "eval reward", "{:.3f}")]
+             ("eval/reward_mean", "eval reward", "{:.3f}"), ("eval/loss", "eval loss", "{:.4f}")]
 
 
 def samples_sha1(responses: list[list[int]]) -> str:

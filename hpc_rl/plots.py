@@ -21,6 +21,9 @@ DPI = 100
 # (metric key, panel title, y-axis label with its unit)
 PANELS = [("reward_mean", "Mean reward", "mean reward per sample (reward units)"),
           ("kl", "KL to the reference policy", "KL (nats per token)")]
+# An SFT run's panels (its metrics have a loss, no reward).
+SFT_PANELS = [("loss", "Training loss", "mean negative log-likelihood per trained token (nats)"),
+              ("eval/loss", "Held-out loss", "eval/loss on eval.source's rows (nats per token)")]
 # The held-out panel (eval.jsonl): the metric and its title.
 EVAL_PANEL = ("eval/pass@1", "Held-out pass@1 (eval.jsonl)", "pass@1 on the eval prompts")
 _STYLES = ["-", "--", "-.", ":"]
@@ -38,8 +41,8 @@ def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path,
                 evals: list[list[dict]] | None = None) -> Path:
-    """Draw reward and KL against step for each (label, metrics rows), and held-out pass@1 when `evals` (each
-    curve's eval.jsonl rows) has any; write a PNG of fixed size."""
+    """Draw reward and KL (SFT runs: training and held-out loss) against step for each (label, metrics rows), and
+    held-out pass@1 when `evals` (each curve's eval.jsonl rows) has any; write a PNG of fixed size."""
     try:
         import matplotlib
     except ImportError:
@@ -50,7 +53,11 @@ def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path,
     import matplotlib.pyplot as plt
 
     with_eval = bool(evals) and any(evals)
-    panels = PANELS + ([EVAL_PANEL] if with_eval else [])
+    sft = not any(_series(rows, "reward_mean")[0] for _, rows in curves) and any(_series(rows, "loss")[0]
+                                                                                for _, rows in curves)
+    main = SFT_PANELS if sft else PANELS
+    xlabel = "training step" if sft else "training step (RL iterations)"
+    panels = main + ([EVAL_PANEL] if with_eval else [])
     fig, axes = plt.subplots(1, len(panels), figsize=FIG_SIZE_IN, dpi=DPI, layout="constrained")
     colors = plt.get_cmap("tab10").colors
     handles = []
@@ -73,16 +80,16 @@ def plot_curves(curves: list[tuple[str, list[dict]]], title: str, out: Path,
         ax.grid(True, alpha=0.3)
         if len(curves) == 1:
             ax.legend(fontsize=9)
-    for (key, panel, ylabel), ax in zip(PANELS, axes):
+    for (key, panel, ylabel), ax in zip(main, axes):
         for n, (label, rows) in enumerate(curves):
             x, y = _series(rows, key)
             # Colour and dash pattern both vary so that 8+ lines stay apart, also in grey print.
             (line,) = ax.plot(x, y, color=colors[n % len(colors)], linestyle=_STYLES[n % len(_STYLES)],
                               linewidth=1.8, marker="o" if len(x) <= 30 else None, markersize=3, label=label)
-            if key == PANELS[0][0]:
+            if key == main[0][0]:
                 handles.append(line)
         ax.set_title(panel)
-        ax.set_xlabel("training step (RL iterations)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     fig.suptitle(title, fontsize=13)

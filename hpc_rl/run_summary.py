@@ -1,4 +1,4 @@
-"""What a finished run ends its log with: how far the reward came, the best evaluation and where its checkpoint
+"""What a finished run ends its log with: how far the reward (SFT: the loss) came, the best evaluation and where its checkpoint
 is, and the commands that take the result further."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ LAST_N = 5
 
 def summary_lines(run: RunDir, elapsed_s: float | None = None) -> list[str]:
     """A few lines for rank 0's log at the end of a run (nothing is computed that metrics.jsonl does not hold)."""
-    rows = [r for r in read_metrics(run.root / "metrics.jsonl") if r.get("reward_mean") is not None]
+    every = read_metrics(run.root / "metrics.jsonl")
+    rows = [r for r in every if r.get("reward_mean") is not None]
     lines = []
     if rows:
         last = rows[-LAST_N:]
@@ -20,6 +21,16 @@ def summary_lines(run: RunDir, elapsed_s: float | None = None) -> list[str]:
         took = f" in {duration(elapsed_s)}" if elapsed_s is not None else ""
         lines.append(f"summary: {rows[-1]['step']} steps{took}; reward {rows[0]['reward_mean']:.3f} at step "
                      f"{rows[0]['step']}, {mean:.3f} over the last {len(last)}")
+    losses = [r for r in every if r.get("loss") is not None]
+    if losses and not rows:  # SFT
+        last = losses[-LAST_N:]
+        took = f" in {duration(elapsed_s)}" if elapsed_s is not None else ""
+        held_out = [r for r in every if r.get("eval/loss") is not None]
+        evals = (f"; eval loss {held_out[0]['eval/loss']:.4f} at step {held_out[0]['eval/step']:.0f}, "
+                 f"{held_out[-1]['eval/loss']:.4f} at step {held_out[-1]['eval/step']:.0f}") if held_out else ""
+        lines.append(f"summary: {losses[-1]['step']} steps{took}; loss {losses[0]['loss']:.4f} at step "
+                     f"{losses[0]['step']}, {sum(r['loss'] for r in last) / len(last):.4f} over the last "
+                     f"{len(last)}{evals}")
     rec = best_record(run)
     ck = best_checkpoint(run) if rec is not None else None
     if rec is not None:

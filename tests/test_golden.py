@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from hpc_rl import config
+from hpc_rl.cluster.layout import check_layout
 from hpc_rl.cluster.render import render
 from hpc_rl.cluster.sweep import load_sweep, point_config, render_array
+from hpc_rl.errors import ConfigError
 from hpc_rl.train.ds_config import render as render_deepspeed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,6 +61,10 @@ def _no_conda(monkeypatch):
 def test_sbatch_script(job, layout):
     overrides = [f"slurm.layout={layout}"] + (["rollout.nodes=1"] if layout == "hetjob" else [])
     cfg = config.load(REPO / "jobs" / job, overrides)
+    if layout == "hetjob" and cfg.algorithm.supervised:  # trainer nodes only: refused (test_submit_dryrun)
+        with pytest.raises(ConfigError, match="SFT has trainer nodes only"):
+            check_layout(cfg)
+        return
     _check(f"sbatch/{job.removesuffix('.yaml')}-{layout}.sh", _normalized(render(cfg, RUN_DIR)))
 
 

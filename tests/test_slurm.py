@@ -248,3 +248,24 @@ def test_reward_node_of_a_hetjob_serves_the_reward_model(slurm_cluster, tmp_path
     assert "reward model" not in (run / "logs" / "rollout-0.log").read_text()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all("reward_model_logit_mean" in r for r in rows)
+
+
+@pytest.mark.slow
+def test_sft_on_two_trainer_nodes_without_rollout_nodes(slurm_cluster, tmp_path):
+    """jobs/toy-sft-cpu.yaml submitted as a job of two trainer nodes (one rank each, ZeRO-3 across them) and nothing
+    else: both nodes are trainers, no rollout server starts, the loss falls, the job COMPLETES with its checkpoint."""
+    p = hpc_rl("submit", "jobs/toy-sft-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=2", "trainer.procs_per_node=1",
+               "trainer.steps=10", "eval.every=5", timeout=300)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900, f"job {job_id} to end",
+                     poll_s=2)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    logs = {t: (run / "submitit" / f"{job_id}_{t}_log.out").read_text() for t in range(2)}
+    assert "on n1 (10.77.0.11): trainer" in logs[0] and "on n2 (10.77.0.12): trainer" in logs[1], logs
+    assert not list((run / "logs").glob("rollout-*.log")) and not list((run / "rendezvous").glob("rollout-*.json"))
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) == 10 and losses[-1] < 0.5 * losses[0], losses
+    assert [r["eval/step"] for r in rows if "eval/loss" in r] == [0, 5, 10]
+    assert (run / "checkpoints" / "step_10" / "hf" / "config.json").is_file()

@@ -53,6 +53,9 @@ def node_roles(cfg: JobConfig) -> list[NodeRole]:
 def check_layout(cfg: JobConfig) -> None:
     """Checks that only matter for Slurm submission; ConfigError naming the key."""
     s = cfg.slurm
+    if s.layout == "hetjob" and cfg.algorithm.supervised:
+        raise ConfigError("slurm.layout: hetjob puts rollout nodes in a second component; SFT has trainer nodes only: "
+                          "use slurm.layout=single")
     if s.layout == "hetjob" and cfg.rollout.nodes < 1:
         raise ConfigError("slurm.layout: hetjob needs rollout.nodes >= 1 (the second component); "
                           "set rollout.nodes or use slurm.layout=single")
@@ -75,7 +78,9 @@ def describe(cfg: JobConfig) -> list[str]:
         what = {"trainer": f"{n.procs} trainer rank(s)",
                 "rollout": f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}",
                 "reward": "1 reward server (the reward model only)"}[n.role]
-        if n.role == "trainer" and n.role_index == 0 and cfg.rollout.nodes == 0:
+        if n.role == "trainer" and cfg.algorithm.supervised:
+            what += ", SFT: no rollout server"
+        elif n.role == "trainer" and n.role_index == 0 and cfg.rollout.nodes == 0:
             shared = (f"{cfg.rollout.servers_per_node} rollout server(s) beside them, rollout.nodes 0"
                       if cfg.rollout.servers_per_node else "no rollout server of its own: `hpc-rl rollout add` brings them")
             what += f" + {shared}"

@@ -50,7 +50,9 @@ class DynamicSamplingConfig:
 
 KLEstimatorName = Literal[KL_ESTIMATOR_NAMES]  # noqa: PYI047 (checked at load)
 LossAggName = Literal[tuple(LOSS_AGGREGATIONS)]  # noqa: PYI047 (checked at load)
-AlgorithmName = Literal[tuple(ALGORITHMS)]  # noqa: PYI047 (the registry's names, checked at load)
+# Supervised fine-tuning: next-token cross-entropy on a dataset's completions; no rollouts, no estimator.
+SFT = "sft"
+AlgorithmName = Literal[(*ALGORITHMS, SFT)]  # noqa: PYI047 (the registry's names and sft, checked at load)
 PolicyLossName = Literal[tuple(POLICY_LOSSES)]  # noqa: PYI047 (the registry's names, checked at load)
 
 
@@ -59,7 +61,8 @@ class AlgorithmConfig:
     """The RL algorithm (see hpc_rl/algos/registry.py) and its loss settings."""
 
     # Advantage estimator and what it needs: ppo (GAE + critic), grpo, dr_grpo (GRPO without the std and the length
-    # normalizations), rloo, reinforce_pp.
+    # normalizations), rloo, reinforce_pp; or sft: supervised fine-tuning on data.source's completions (no rollout
+    # servers; the keys below but loss_agg and loss_agg_norm do not apply).
     name: AlgorithmName = "grpo"
     # Samples generated per prompt (GRPO/RLOO compare them with each other).
     group_size: int = 8
@@ -124,6 +127,9 @@ class AlgorithmConfig:
 
     def __post_init__(self):
         # The defaults that depend on the algorithm (the run's config.yaml then shows what ran).
+        if self.name == SFT:
+            self.loss_agg = self.loss_agg or "token_mean"
+            return
         if self.name not in ALGORITHMS:  # the loader names the key; a direct construction keeps its value
             return
         entry = algorithm(self.name)
@@ -133,8 +139,13 @@ class AlgorithmConfig:
             self.loss_agg = "seq_mean" if self.ratio == "sequence" and entry.loss_agg == "token_mean" else entry.loss_agg
 
     @property
+    def supervised(self) -> bool:
+        """SFT: trained on the dataset's completions, nothing generated."""
+        return self.name == SFT
+
+    @property
     def uses_critic(self) -> bool:
-        return algorithm(self.name).needs_critic
+        return not self.supervised and algorithm(self.name).needs_critic
 
     def correction(self, async_steps: int) -> str:
         """The rollout correction in effect ("none" or "tis"), resolving auto by the rollout mode."""
@@ -146,11 +157,14 @@ class AlgorithmConfig:
     def kl_in_reward(self) -> bool:
         if self.kl.in_reward is not None:
             return self.kl.in_reward
-        return algorithm(self.name).kl_in_reward
+        return not self.supervised and algorithm(self.name).kl_in_reward
 
 
 def check(cfg: JobConfig, need) -> None:
     a = cfg.algorithm
+    if a.supervised:
+        check_sft(cfg, need)
+        return
     if a.loss_agg == "seq_mean_token_sum_norm" and a.loss_agg_norm is None:
         a.loss_agg_norm = float(cfg.response_budget)  # a constant of the job, shown in the run's config.yaml
     need(a.group_size >= 1, "algorithm.group_size must be >= 1")
@@ -191,3 +205,28 @@ def check(cfg: JobConfig, need) -> None:
          f"algorithm.loss_agg_norm must be > 0 (the constant divisor of seq_mean_token_sum_norm) or null; got {a.loss_agg_norm}")
     need(a.kl.clamp is None or a.kl.clamp > 0, f"algorithm.kl.clamp must be > 0 or null (no clamp); got {a.kl.clamp}")
     need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")
+
+
+def check_sft(cfg: JobConfig, need) -> None:
+    """SFT learns from data alone: what would start servers or needs samples is refused, naming the key."""
+    a, r, rw = cfg.algorithm, cfg.rollout, cfg.reward
+    fix = "SFT trains on data.source's completions without rollout servers"
+    # The rollout section's defaults describe servers SFT does not start: the job's nodes are its trainer's (the run's
+    # config.yaml shows rollout.nodes 0).
+    r.nodes = 0
+    need(rw.nodes == 0 and rw.model is None, f"reward.model: {fix} and uses no reward model; remove reward.model "
+         "and reward.nodes")
+    need(not r.env and not r.agent, f"rollout.env / rollout.agent: {fix}; remove them (the completions are the "
+         "training targets)")
+    need(r.async_steps == 0, f"rollout.async_steps: {fix}; remove it")
+    need(a.kl.coef == 0 and not a.kl.adaptive, f"algorithm.kl: {fix} and has no reference model; set "
+         "algorithm.kl.coef: 0")
+    need(a.ppo_epochs == 1, f"algorithm.ppo_epochs: SFT passes over the data by trainer.steps; set it to 1 "
+         f"(got {a.ppo_epochs})")
+    need(not a.dynamic_sampling.enabled, "algorithm.dynamic_sampling: SFT generates nothing; remove it")
+    need(a.loss_agg in ("token_mean", "seq_mean", "token_sum"),
+         f"algorithm.loss_agg: SFT averages over tokens (token_mean), sequences (seq_mean) or sums (token_sum); got "
+         f"{a.loss_agg}")
+    need(cfg.eval.every >= 0, f"eval.every must be >= 0 (0: only after the last step); got {cfg.eval.every}")
+    need(cfg.data.max_completion_tokens >= 1,
+         f"data.max_completion_tokens must be >= 1; got {cfg.data.max_completion_tokens}")

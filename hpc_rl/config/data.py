@@ -25,3 +25,8 @@ class DataConfig:
     kwargs: dict = field(default_factory=dict)
     # Sample prompts in a seeded random order (false: in file order); either way a resume sees the same data.
     shuffle: bool = True
+    # SFT (algorithm.name: sft): the row field holding the target completion of the prompt (a string); a row without
+    # it whose prompt is a chat with assistant turns trains on those turns (the chat template's tokens of each).
+    completion_key: str = "completion"
+    # SFT: the longest completion in tokens (everything after the prompt); a longer row is an error at load naming it.
+    max_completion_tokens: int = 256

@@ -60,6 +60,9 @@ class JobConfig:
 
     @property
     def samples_per_step(self) -> int:
+        """Samples trained on per step: prompts x group size (SFT: the dataset's rows, prompts_per_step of them)."""
+        if self.algorithm.supervised:
+            return self.trainer.prompts_per_step
         return self.trainer.prompts_per_step * self.algorithm.group_size
 
     @property
@@ -107,6 +110,8 @@ class JobConfig:
     def rollout_servers(self) -> int:
         """How many rollout servers the job runs (rollout.nodes=0, or a local run: one node's worth); rollout jobs'
         servers come on top."""
+        if self.algorithm.supervised:
+            return 0
         return max(1, self.rollout.nodes) * self.rollout.servers_per_node
 
 
@@ -119,6 +124,9 @@ def validate(cfg: JobConfig) -> JobConfig:
 
     need(bool(cfg.name) and "/" not in cfg.name and not cfg.name.startswith("."),
          f"name: {cfg.name!r} must be a non-empty name without '/'")
+    # SFT starts no servers and scores nothing (its eval is a loss on eval.source's rows): those sections do not apply.
+    rl_only = (reward, rollout, evaluation) if cfg.algorithm.supervised else ()
     for section in (model, algorithm, trainer, reward, rollout, evaluation, runtime):
-        section.check(cfg, need)
+        if section not in rl_only:
+            section.check(cfg, need)
     return cfg

@@ -49,7 +49,7 @@ class TrainerConfig:
     stop_at: dict = field(default_factory=dict)
     # Steps averaged for stop_at.
     stop_window: int = 5
-    # Prompts per step; samples per step = prompts_per_step x algorithm.group_size.
+    # Prompts per step; samples per step = prompts_per_step x algorithm.group_size (SFT: rows per step).
     prompts_per_step: int = 16
     # Samples per optimizer step (over all ranks); must divide the samples per step.
     mini_batch_size: int = 64
@@ -117,7 +117,8 @@ def check(cfg: JobConfig, need) -> None:
     need(t.mini_batch_size >= 1, "trainer.mini_batch_size must be >= 1")
     need(samples % t.mini_batch_size == 0,
          f"trainer.mini_batch_size ({t.mini_batch_size}) must divide the samples per step "
-         f"(trainer.prompts_per_step x algorithm.group_size = {samples})")
+         f"({'trainer.prompts_per_step' if cfg.algorithm.supervised else 'trainer.prompts_per_step x algorithm.group_size'}"
+         f" = {samples})")
     for nodes in range(lo, hi + 1):  # every size a node range may start at
         world = nodes * t.procs_per_node
         of = f" ({nodes} node(s) of trainer.nodes {t.nodes})" if lo != hi else ""

@@ -131,8 +131,9 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
     for row in load_rows(cfg, seed):
         p = row["prompt"]
         lines.append(p if isinstance(p, str) else " ".join(m["content"] for m in p))
-        if "ground_truth" in row:
-            lines.append(str(row["ground_truth"]))
+        for key in ("ground_truth", cfg.completion_key):  # an answer, an SFT completion
+            if isinstance(row.get(key), (str, int, float)):
+                lines.append(str(row[key]))
     return lines
 
 

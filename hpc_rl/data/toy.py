@@ -82,6 +82,16 @@ LOOKUP_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %
                         "{% elif m['role'] == 'tool' %} = {{ m['content'] }}{% else %}{{ m['content'] }} :"
                         "{% endif %}{% endfor %}")
 
+def toy_completion(name: str, row: dict) -> str:
+    """The completion a toy task's reward scores 1 (SFT's target for the toy rows): ` D D D D`, ` A B`."""
+    if name == "repeat_digit":
+        return " " + " ".join([row["ground_truth"]] * 4)
+    if name == "copy_pair":
+        return " " + row["ground_truth"]
+    raise DataError(f"data.source: toy:{name} has no completions for SFT (its answer comes from a tool); use "
+                    "toy:repeat_digit or toy:copy_pair")
+
+
 TOY_TASKS = {
     "repeat_digit": (repeat_digit_rows, repeat_digit_corpus),
     "lookup": (lookup_rows, lookup_corpus),

@@ -141,7 +141,7 @@ def check_placement(ctx: Ctx) -> Result:
             return Result("job:placement", FAIL, f"local_devices name GPUs {missing} that this node does not have "
                           f"({len(gpus)} GPU(s))", "use indices from nvidia-smi -L")
     g = j.slurm.gpus_per_node
-    if g and r.nodes == 0:
+    if g and r.nodes == 0 and not j.algorithm.supervised:  # SFT starts no rollout server
         need = t.procs_per_node + r.tensor_parallel * r.servers_per_node
         if need > g:
             return Result("job:placement", FAIL, f"rollout.nodes=0 puts rollout servers on the trainer node: "
@@ -207,6 +207,8 @@ def check_reward(ctx: Ctx) -> list[Result]:
             load_reward_fn(rc.monitor, "reward.monitor")
         except RewardError as e:
             out.append(Result("job:reward-monitor", FAIL, str(e), "make the module importable and check the spelling"))
+    if ctx.job.algorithm.supervised:
+        return out + [Result("job:reward", OK, "SFT: no reward (the completions are the targets)")]
     if not rc.function:
         return out + [Result("job:reward", OK, "no reward function: the reward model alone scores (see job:reward-model)")]
     try:

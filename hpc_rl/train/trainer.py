@@ -196,7 +196,7 @@ class Trainer:
         packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
         rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
-        self._tokens = [0, 0]
+        self.reset_token_counts()
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
                      rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes)
 
@@ -208,6 +208,15 @@ class Trainer:
         self._tokens[0] += computed
         self._tokens[1] += real
         return mbs
+
+    def reset_token_counts(self) -> None:
+        """A new step: pad_fraction counts its micro-batches from here."""
+        self._tokens = [0, 0]
+
+    def pad_fraction(self) -> float:
+        """The share of computed tokens that were padding, over the micro-batches since the step's shard."""
+        computed, real = self._tokens
+        return 1.0 - real / computed if computed else 0.0
 
     def forwards(self, shard: Shard) -> Forwards:
         """Old log-probs (actor), reference log-probs and values (critic) of the shard, without gradients."""
@@ -272,23 +281,22 @@ class Trainer:
             proximal = fwd.raw_old_logprobs if fwd.raw_old_logprobs is not None else fwd.old_logprobs
             stats.update(truncated_is_weights(proximal, shard.rollout_logprobs, shard.batch.response_mask,
                                               self.cfg.algorithm.tis_cap)[1])
-        computed, real = self._tokens
-        stats["pad_fraction"] = 1.0 - real / computed if computed else 0.0
+        stats["pad_fraction"] = self.pad_fraction()
         # Peak memory of a trainer rank so far (the max over ranks): what a reward model or a longer batch adds.
         stats["rank_peak_rss_mib_max"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         if self.dist.device.type == "cuda":
             stats["rank_peak_gpu_mib_max"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**20
         return stats
 
-    def check_policy(self, step: int, shard: Shard, stats: dict) -> None:
+    def check_policy(self, step: int, batch: Batch, stats: dict) -> None:
         """After the update, before anything is pushed or checkpointed: every rank's part of the actor's (and
-        critic's) weights is finite, and so is the actor's forward of one sample of its shard (weights can be finite
-        and still absurd: an lr of 1e30 gives |w| ~ 1e30, whose forward overflows). PolicyNotFinite on every rank
-        when either fails."""
+        critic's) weights is finite, and so is the actor's forward of one trained row of its `batch` (weights can be
+        finite and still absurd: an lr of 1e30 gives |w| ~ 1e30, whose forward overflows). PolicyNotFinite on every
+        rank when either fails."""
         names = list(self.engines)  # the same order on every rank
-        trained = (shard.batch.response_mask.sum(-1) > 0).nonzero()  # not a padding row: its check is empty
+        trained = (batch.response_mask.sum(-1) > 0).nonzero()  # not a padding row: its check is empty
         first = int(trained[0]) if len(trained) else 0
-        probe = shard.batch.slice(slice(first, first + 1))
+        probe = batch.slice(slice(first, first + 1))
         with torch.no_grad():
             self.actor.eval()
             lp, _ = policy_forward(self.actor, probe)
