@@ -24,8 +24,10 @@ from .data.toy import toy_chat_template
 from .data.verifiers_tasks import is_verifiers
 from .errors import ConfigError, HpcRlError
 from .logs import last_error_line, setup_logging, tail_lines
-from .models.loading import load_tokenizer
+from .models.loading import check_model_dir, check_same_tokenizer, load_tokenizer
 from .models.lora import check_targets as check_lora_targets
+from .models.sft_built import built_sft_model, is_sft_spec
+from .models.sft_built import parse as parse_sft_spec
 from .models.tiny import cached_tiny_model
 from .models.tiny_reward import cached_tiny_reward_model
 from .nccl import nccl_env
@@ -71,8 +73,17 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
     load_rows(cfg.data, cfg.seed)
     if cfg.eval.enabled:
         load_rows(cfg.eval_data, cfg.seed, "eval")
+    for key, path in [("model.path", cfg.model.path)] + [(f"services.{r}.path", s.path)
+                                                         for r, s in cfg.services.roles().items()]:
+        if is_sft_spec(path):
+            parse_sft_spec(path, key)  # the SFT job exists: checked before the run dir is made
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
+        if is_sft_spec(cfg.model.path):  # the student (or policy) an SFT job makes
+            cfg.model.path = str(built_sft_model(cfg.model.path, run.model_init, "model.path"))
+        for role, svc in cfg.services.roles().items():
+            if is_sft_spec(svc.path):
+                svc.path = str(built_sft_model(svc.path, run.root / f"{role}-model", f"services.{role}.path"))
         if cfg.model.tiny is not None:
             with tracking.deepspeed_without_mlflow():  # transformers imports DeepSpeed while it builds the model
                 cached_tiny_model(cfg.model.tiny, tokenizer_corpus(cfg.data, cfg.seed), run.model_init,
@@ -89,6 +100,9 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         elif rm is not None:
             rm.path = str(Path(rm.path).resolve())
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        for role, svc in cfg.services.roles().items():
+            svc.path = str(check_model_dir(svc.path, f"services.{role}.path").resolve())
+            check_same_tokenizer(tokenizer, cfg.model.path, svc.path, f"services.{role}.path")
         if cfg.algorithm.supervised:  # every row's target and length, before anything starts
             SFTDataset(cfg.data, tokenizer, cfg.seed)
             if cfg.eval.enabled:
@@ -182,7 +196,8 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
     if devices:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     env.setdefault("HPC_RL_ROLLOUT_THREADS", str(cpu_threads(cfg, 1, "rollout", cpus)))
-    if cfg.rollout.engine == "hf":
+    svc = cfg.services.roles().get(kind)
+    if (svc.engine or cfg.rollout.engine if svc is not None else cfg.rollout.engine) == "hf":
         # OpenMP's threads otherwise spin after every parallel region, taking the cores the trainer ranks (or other
         # jobs on a shared node) need: two toy runs on 2 cores generate 4x faster (0.9 -> 0.2 s a step) and step
         # 17% faster with idle threads asleep; alone the same. vLLM's CPU worker pins its threads and is left as is.
@@ -459,15 +474,23 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
         per = cfg.gpus_per_rollout_server
         trainer_cpus, rollout_cpus = _local_cpus(cfg)
         entries = [("rollout", k) for k in range(n_servers)] + [("reward", k) for k in range(n_reward)]
+        services = cfg.services.roles()
+        entries += [(role, k) for role, svc in services.items() for k in range(svc.servers)]
         devices = None
         if devs:
             devices = {("rollout", k): devs[k * per:(k + 1) * per] for k in range(n_servers)}
             devices.update({("reward", k): [devs[len(devs) - n_reward + k]] for k in range(n_reward)})
+        for role, svc in services.items():
+            if svc.local_devices:
+                tp = svc.tensor_parallel
+                devices = (devices or {}) | {(role, k): svc.local_devices[k * tp:(k + 1) * tp]
+                                             for k in range(svc.servers)}
         keeper = ServerKeeper(run, cfg, entries, devices, rollout_cpus)
         servers = keeper.procs
-        log.info("run dir %s: %s%s, %d trainer rank(s)", run.root,
+        log.info("run dir %s: %s%s%s, %d trainer rank(s)", run.root,
                  "SFT, no rollout servers" if cfg.algorithm.supervised else f"{n_servers} rollout server(s)",
-                 f", {n_reward} reward server(s)" if n_reward else "", cfg.world_size)
+                 f", {n_reward} reward server(s)" if n_reward else "",
+                 "".join(f", {svc.servers} {role} server(s)" for role, svc in services.items()), cfg.world_size)
         trainers = start_trainer_ranks(run, cfg, 0, "127.0.0.1", free_port("127.0.0.1"), cpus=trainer_cpus)
         code = wait_trainers(run, trainers, servers, keeper)
     except KeyboardInterrupt:

@@ -48,6 +48,19 @@ class DynamicSamplingConfig:
     on_exhausted: Literal["warn", "error"] = "warn"
 
 
+@dataclass
+class DistillConfig:
+    """On-policy distillation (https://thinkingmachines.ai/blog/on-policy-distillation/, verl's docs/algo/opd.md):
+    the teacher (services.teacher) scores every sampled response token; the per-token reverse KL
+    log pi_student - log pi_teacher, negated and times coef, is a per-token advantage (hpc_rl/algos/distill.py)."""
+
+    # Weight of the distillation advantage; 0: off.
+    coef: float = 0.0
+    # The distillation advantage alone (the task reward is still computed and logged, e.g. as a monitor); false: it is
+    # added to the algorithm's task-reward advantage.
+    only: bool = False
+
+
 KLEstimatorName = Literal[KL_ESTIMATOR_NAMES]  # noqa: PYI047 (checked at load)
 LossAggName = Literal[tuple(LOSS_AGGREGATIONS)]  # noqa: PYI047 (checked at load)
 # Supervised fine-tuning: next-token cross-entropy on a dataset's completions; no rollouts, no estimator.
@@ -124,6 +137,8 @@ class AlgorithmConfig:
     mask_truncated: bool = False
     # DAPO's dynamic sampling (groups with a reward spread only).
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    # On-policy distillation from services.teacher.
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         # The defaults that depend on the algorithm (the run's config.yaml then shows what ran).
@@ -204,6 +219,8 @@ def check(cfg: JobConfig, need) -> None:
     need(a.loss_agg_norm is None or a.loss_agg_norm > 0,
          f"algorithm.loss_agg_norm must be > 0 (the constant divisor of seq_mean_token_sum_norm) or null; got {a.loss_agg_norm}")
     need(a.kl.clamp is None or a.kl.clamp > 0, f"algorithm.kl.clamp must be > 0 or null (no clamp); got {a.kl.clamp}")
+    need(a.distill.coef >= 0, f"algorithm.distill.coef must be >= 0 (0: off); got {a.distill.coef}")
+    need(not a.distill.only or a.distill.coef > 0, "algorithm.distill.only needs algorithm.distill.coef > 0")
     need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")
 
 
@@ -224,6 +241,8 @@ def check_sft(cfg: JobConfig, need) -> None:
     need(a.ppo_epochs == 1, f"algorithm.ppo_epochs: SFT passes over the data by trainer.steps; set it to 1 "
          f"(got {a.ppo_epochs})")
     need(not a.dynamic_sampling.enabled, "algorithm.dynamic_sampling: SFT generates nothing; remove it")
+    need(not a.distill.coef and not cfg.services.roles(), "algorithm.distill / services: SFT trains on data, not on "
+         "a teacher's scores; remove them")
     need(a.loss_agg in ("token_mean", "seq_mean", "token_sum"),
          f"algorithm.loss_agg: SFT averages over tokens (token_mean), sequences (seq_mean) or sums (token_sum); got "
          f"{a.loss_agg}")

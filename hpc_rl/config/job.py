@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError
-from . import algorithm, evaluation, model, reward, rollout, runtime, trainer
+from . import algorithm, evaluation, model, reward, rollout, runtime, services, trainer
 from .algorithm import AlgorithmConfig
 from .data import DataConfig
 from .evaluation import EvalConfig
@@ -16,6 +16,7 @@ from .model import ModelConfig
 from .reward import RewardConfig
 from .rollout import RolloutConfig
 from .runtime import CheckpointConfig, EnvConfig, LoggingConfig, SlurmConfig
+from .services import ServicesConfig
 from .trainer import TrainerConfig, node_range
 
 
@@ -41,6 +42,8 @@ class JobConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     # The rollout servers.
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    # Served models that help the policy (a teacher).
+    services: ServicesConfig = field(default_factory=ServicesConfig)
     # Held-out evaluation (eval.jsonl, eval/step_N.jsonl).
     eval: EvalConfig = field(default_factory=EvalConfig)
     # Checkpoints.
@@ -126,7 +129,7 @@ def validate(cfg: JobConfig) -> JobConfig:
          f"name: {cfg.name!r} must be a non-empty name without '/'")
     # SFT starts no servers and scores nothing (its eval is a loss on eval.source's rows): those sections do not apply.
     rl_only = (reward, rollout, evaluation) if cfg.algorithm.supervised else ()
-    for section in (model, algorithm, trainer, reward, rollout, evaluation, runtime):
+    for section in (model, algorithm, trainer, reward, rollout, services, evaluation, runtime):
         if section not in rl_only:
             section.check(cfg, need)
     return cfg

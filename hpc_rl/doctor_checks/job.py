@@ -9,7 +9,9 @@ import re
 from pathlib import Path
 
 from ..config.trainer import node_range
-from ..errors import first_line
+from ..errors import HpcRlError, first_line
+from ..models.sft_built import is_sft_spec
+from ..models.sft_built import parse as parse_sft_spec
 from .base import FAIL, OK, WARN, Ctx, Result, check
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
@@ -39,6 +41,13 @@ def check_model(ctx: Ctx) -> Result:
     m = ctx.job.model
     if m.tiny is not None:
         return Result("job:model", OK, "model.tiny: built offline at run time")
+    if is_sft_spec(m.path):
+        try:
+            job, steps = parse_sft_spec(m.path, "model.path")
+        except HpcRlError as e:
+            return Result("job:model", FAIL, str(e), "name an existing SFT job: sft:JOB.yaml[@STEPS]")
+        return Result("job:model", OK, f"model.path: built at run start by the SFT job {job.name}"
+                      f"{f' ({steps} steps)' if steps else ''}, once per cache")
     p = Path(m.path)
     if not p.exists():
         return Result("job:model", FAIL, f"model.path: {m.path} does not exist here",

@@ -22,16 +22,26 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def check_model_dir(path: str | Path) -> Path:
-    """A local HF folder must hold config.json; raise ModelError naming what is missing."""
+def check_model_dir(path: str | Path, key: str = "model.path") -> Path:
+    """A local HF folder must hold config.json; raise ModelError naming `key` and what is missing."""
     p = Path(path)
     if not p.exists():
-        raise ModelError(f"model.path: {path} does not exist; point it at an HF model folder "
+        raise ModelError(f"{key}: {path} does not exist; point it at an HF model folder "
                          "(config.json, weights, tokenizer files)")
     if not (p / "config.json").is_file():
-        raise ModelError(f"model.path: {path} has no config.json; point it at an HF model folder "
+        raise ModelError(f"{key}: {path} has no config.json; point it at an HF model folder "
                          "(the output of save_pretrained)")
     return p
+
+
+def check_same_tokenizer(tokenizer, policy_path: str | Path, other_path: str | Path, key: str) -> None:
+    """A model that scores the policy's token ids (a teacher) must tokenize as the policy does: ModelError naming
+    both folders otherwise."""
+    check_model_dir(other_path, key)
+    other = load_tokenizer(other_path, key=key)
+    if other.get_vocab() != tokenizer.get_vocab():
+        raise ModelError(f"{key}: the tokenizer of {other_path} is not the policy's (model.path {policy_path}); the "
+                         "teacher scores the policy's token ids, so both need the same tokenizer (one model family)")
 
 
 # Tokenizer classes of a qwen2 folder that AutoTokenizer resolves to Qwen2Tokenizer (transformers 5 lists qwen2 among

@@ -43,14 +43,18 @@ class RolloutBatch:
     # The episode of each sample (agent runs); None: each sample is an episode of its own. FILLER marks a row that
     # trains nothing and belongs to no episode (the learner's padding).
     episode_ids: list[int] | None = None
+    # The teacher's log-prob of each response token (on-policy distillation, services.teacher); None: no teacher.
+    teacher_logprobs: list[list[float]] | None = None
 
     def __post_init__(self):
         n = len(self.prompts)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
-        if self.episode_ids is not None and len(self.episode_ids) != n:
-            raise ValueError(f"RolloutBatch.episode_ids has {len(self.episode_ids)} entries for {n} samples")
+        for name in ("episode_ids", "teacher_logprobs"):
+            vals = getattr(self, name)
+            if vals is not None and len(vals) != n:
+                raise ValueError(f"RolloutBatch.{name} has {len(vals)} entries for {n} samples")
         for name, vals in self.reward_parts.items():
             if len(vals) != n:
                 raise ValueError(f"RolloutBatch.reward_parts[{name!r}] has {len(vals)} entries for {n} samples")
@@ -77,7 +81,8 @@ class RolloutBatch:
             reward_parts={k: pick(v) for k, v in self.reward_parts.items()},
             reward_model_ids=None if self.reward_model_ids is None else pick(self.reward_model_ids),
             scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats),
-            episode_ids=None if self.episode_ids is None else pick(self.episode_ids))
+            episode_ids=None if self.episode_ids is None else pick(self.episode_ids),
+            teacher_logprobs=None if self.teacher_logprobs is None else pick(self.teacher_logprobs))
 
     # ------------------------------------------------------------------ episodes
 
@@ -118,7 +123,8 @@ class RolloutBatch:
             reward_parts={name: v + [0.0] * k for name, v in self.reward_parts.items()},
             reward_model_ids=None if self.reward_model_ids is None else self.reward_model_ids + [[token]] * k,
             scores=None if self.scores is None else self.scores + [0.0] * k, stats=self.stats,
-            episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k)
+            episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k,
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs + [[0.0]] * k)
         return out
 
     @staticmethod
@@ -130,7 +136,12 @@ class RolloutBatch:
         parts = {k: [] for k in first.reward_parts}
         rm_ids = [] if first.reward_model_ids is not None else None
         episodes = [] if any(b.episode_ids is not None for b in batches) else None
+        teacher = [] if first.teacher_logprobs is not None else None
         for b in batches:
+            if (b.teacher_logprobs is None) != (teacher is None):
+                raise ValueError("RolloutBatch.concat: some batches have the teacher's log-probs and some do not")
+            if teacher is not None:
+                teacher += b.teacher_logprobs
             if episodes is not None:  # renumbered as the groups are, so that episodes of different batches stay apart
                 base = len(set(episodes))
                 renumber_e: dict[int, int] = {}
@@ -149,7 +160,8 @@ class RolloutBatch:
             if rm_ids is not None:
                 rm_ids += b.reward_model_ids
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
-                            stats=dict(first.stats if stats is None else stats), episode_ids=episodes)
+                            stats=dict(first.stats if stats is None else stats), episode_ids=episodes,
+                            teacher_logprobs=teacher)
 
     # ------------------------------------------------------------------ checkpoints
 

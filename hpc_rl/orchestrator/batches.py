@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from ..config import JobConfig
 from ..data.datasets import PromptDataset
 from ..data.sampler import indices_for_step
+from ..errors import RolloutError
 from ..metrics import samples_sha1, server_token_stats
 from ..rollout.wire.sampling import SamplingParams
 from . import seeds
@@ -27,8 +29,9 @@ debug = os.environ.get("HPC_RL_DEBUG") == "1"
 class BatchMaker:
     """Builds the batch of one step; deterministic in (seed, step) and the policy version that samples it."""
 
-    def __init__(self, cfg: JobConfig, sampler: Sampler):
+    def __init__(self, cfg: JobConfig, sampler: Sampler, teacher=None):
         self.cfg, self.sampler = cfg, sampler
+        self.teacher = teacher  # services.teacher's client: its log-probs of every sampled token (distillation)
         self.client = sampler.client
         self.dataset = PromptDataset(cfg.data, sampler.tokenizer, cfg.seed)
         self.scoring = sampler.training_scoring()
@@ -50,7 +53,24 @@ class BatchMaker:
         sampled = self.sampler.sample(self.dataset, idx, cfg.algorithm.group_size, params,
                                       seeds.training(cfg.seed, step, round_), step, self.scoring)
         sampled.batch.stats = self._stats(step, idx, sampled)
+        if self.teacher is not None:
+            self._teacher_logprobs(sampled.batch)
         return sampled.batch
+
+    def _teacher_logprobs(self, b: RolloutBatch) -> None:
+        """The teacher's log-prob of every response token (observations included; the loss masks leave them out)."""
+        t0 = time.time()
+        b.teacher_logprobs = self.teacher.logprobs([p + r for p, r in zip(b.prompts, b.responses)],
+                                                   [len(p) for p in b.prompts])
+        for i, (lp, r) in enumerate(zip(b.teacher_logprobs, b.responses)):
+            if len(lp) != len(r):
+                raise RolloutError(f"teacher server answered {len(lp)} log-probs for sample {i}'s {len(r)} response "
+                                   "tokens")
+        b.stats["teacher_seconds"] = time.time() - t0
+        if debug:
+            log.debug("step %d: teacher log-probs of sample 0's %d tokens %s, the policy's %s", b.step + 1,
+                      len(b.responses[0]), [round(x, 2) for x in b.teacher_logprobs[0]],
+                      [round(x, 2) for x in b.rollout_logprobs[0]])
 
     def _stats(self, step: int, idx: list[int], sampled: Sampled) -> dict:
         b = sampled.batch

@@ -68,12 +68,16 @@ class Orchestrator:
         if cfg.reward.nodes:
             self.reward_client = RolloutClient.from_run_dir(run, cfg, kind="reward")
             self.reward_client.wait_ready(cfg.reward.nodes, cfg.rollout.startup_timeout_s)
+        self.teacher_client = None  # services.teacher's servers: on-policy distillation
+        if cfg.services.teacher is not None:
+            self.teacher_client = RolloutClient.from_run_dir(run, cfg, kind="teacher")
+            self.teacher_client.wait_ready(cfg.services.teacher.servers, cfg.rollout.startup_timeout_s)
         # The reward model's tokenizer: the samples are tokenized again for it (it may not be the policy's).
         reward_tokenizer = load_reward_tokenizer(cfg.reward.model) if cfg.reward.model is not None else None
         # Model-written code (the python tool) must not see this run's token nor other runs': the sandbox hides both.
         self.sampler = Sampler(cfg, tokenizer, self.client, reward_tokenizer, self.reward_client,
                                hide=[run.root, run.root.parent])
-        self.maker = BatchMaker(cfg, self.sampler)
+        self.maker = BatchMaker(cfg, self.sampler, self.teacher_client)
         self.shaper = RewardShaper(cfg.reward)  # shapes each step's rewards in step order
         if resumed.shaper:
             self.shaper.load_state_dict(resumed.shaper)
@@ -243,8 +247,9 @@ class Orchestrator:
         self.pipeline.close()
         self.sampler.close()
         self.client.close()  # leaves the weight-sync group before the servers see done.json
-        if self.reward_client is not None:
-            self.reward_client.close()
+        for client in (self.reward_client, self.teacher_client):
+            if client is not None:
+                client.close()
         if not preempted:
             write_json_atomic(self.run.done_file, {"step": step, "time": time.time()})
         self.metrics.close("preempted" if preempted else "finished")

@@ -19,6 +19,7 @@ import torch
 
 from .. import checkpoints
 from ..algos.correction import truncated_is_weights
+from ..algos.distill import distill_advantages, reverse_kl
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.utils import masked_mean
@@ -196,9 +197,12 @@ class Trainer:
         packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
         rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
+        teacher_lp = None
+        if mine.teacher_logprobs is not None:
+            teacher_lp = pad_rows(mine.teacher_logprobs, packed.responses.shape[1]).to(dist.device)
         self.reset_token_counts()
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
-                     rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes)
+                     rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes, teacher_lp)
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
         """`rows` of `batch` cut into micro-batches (trainer.max_tokens_per_micro_batch or micro_batch_size);
@@ -266,9 +270,16 @@ class Trainer:
         mask = shard.batch.response_mask
         coef = self.kl_ctl.value if a.kl_in_reward and self.use_ref else 0.0
         kl_tok = self.kl(fwd) if coef else torch.zeros_like(mask)
+        d = a.distill
+        distill = None
+        if d.coef and shard.teacher_logprobs is not None:  # the sampling policy's log-probs against the teacher's
+            distill = distill_advantages(shard.rollout_logprobs, shard.teacher_logprobs, mask, d.coef)
+            if d.only:
+                return distill, None
         token_rewards = apply_kl_to_rewards(shard.scores, kl_tok, mask, coef)
-        return compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values, mask,
-                                                  shard.episodes), a)
+        adv, returns = compute_advantages(AdvantageInputs(shard.all_scores, shard.rows, token_rewards, fwd.values,
+                                                          mask, shard.episodes), a)
+        return (adv if distill is None else adv + distill), returns
 
     def update(self, step: int, shard: Shard, fwd: Forwards, adv, returns) -> dict:
         """The PPO update of `step` (update.py), with the rollout correction's statistics and the step's padding and
@@ -321,6 +332,10 @@ class Trainer:
         if self.use_ref:
             kl_mean = all_reduce_scalar(float(masked_mean(self.kl(fwd), shard.batch.response_mask))) / dist.world_size
         self.kl_ctl.update(kl_mean, self.cfg.samples_per_step)
+        if shard.teacher_logprobs is not None:  # the student's distance to the teacher on its own samples
+            mask = shard.batch.response_mask
+            stats["distill/reverse_kl"] = float(masked_mean(reverse_kl(shard.rollout_logprobs,
+                                                                       shard.teacher_logprobs), mask))
         out = {k: all_reduce_scalar(v, "max") if k.endswith("_max") else all_reduce_scalar(v) / dist.world_size
                for k, v in sorted(stats.items())}
         return out, kl_mean

@@ -42,6 +42,8 @@ class Shard:
     per_rank_mini_batch: int  # rows of each mini-batch on this rank
     # [N] every sample's episode (0, 1, ... group by group; -1: padding), on CPU; None: each sample is an episode
     episodes: torch.Tensor | None = None
+    # [B, R] the teacher's log-probs of the sampled tokens (on-policy distillation); None: no teacher
+    teacher_logprobs: torch.Tensor | None = None
 
 
 def mini_batch_rows(samples: int, mini_batch_size: int, world: int, rank: int, seed: int, step: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N] [--role reward]`.
+"""Rollout server: `python -m hpc_rl.rollout.server --run-dir RUN --index K [--device cpu|cuda:N] [--role ROLE]`.
 
 Serves one engine over HTTP (API in wire/protocol.py), writes RUN/rendezvous/rollout-K.json once it serves
 (and again whenever it disappears: a requeued run's preamble clears the folder), and exits when
@@ -146,6 +146,7 @@ class RolloutService:
         self._count_lock = threading.Lock()
         self.started = time.time()
         self.draining = False  # set when the server leaves: new work gets 503 (Draining)
+        self.frozen_role: str | None = None  # a service's role (teacher): its weights never change
         # Extra JSON endpoints (e.g. collective weight sync): (method, path) -> fn(body or None) -> dict.
         self.routes: dict[tuple[str, str], Callable[[Any], dict]] = {}
 
@@ -308,8 +309,14 @@ class RolloutService:
         self.count("weight_updates")
         log.info("weights: loaded %d tensors, policy_version %d", len(named), version)
 
+    def _refuse_weights(self) -> None:
+        if self.frozen_role:
+            raise BadRequest(f"this is a {self.frozen_role} server (services.{self.frozen_role}): its weights never "
+                             "change; push the policy to the rollout servers")
+
     def push_bucket(self, data: bytes, version: int, bucket: int, final: bool) -> dict:
         """Stage one safetensors bucket; on `final`, load every staged bucket of this version at once."""
+        self._refuse_weights()
         try:
             named = tensors_from_bytes(data)
             validate_named_tensors(self._specs, named)
@@ -334,6 +341,7 @@ class RolloutService:
         return {"policy_version": version, "tensors": len(staged)}
 
     def load_file(self, body) -> dict:
+        self._refuse_weights()
         path_s, version = protocol.parse_load_file(body)
         root = self.run.weights.resolve()
         path = Path(path_s).resolve()
@@ -379,6 +387,19 @@ def _setup_logging() -> None:
     logging.basicConfig(level=level, format="%(asctime)s rollout %(levelname)s %(message)s", stream=sys.stderr)
 
 
+def service_job(cfg, role: str):
+    """The job as a service's server sees it: the service's model folder and engine settings in place of the
+    policy's (services.ROLE)."""
+    import dataclasses
+
+    svc = cfg.services.roles()[role]
+    r = cfg.rollout
+    rollout = dataclasses.replace(
+        r, engine=svc.engine or r.engine, dtype=svc.dtype or r.dtype, tensor_parallel=svc.tensor_parallel,
+        gpu_memory_utilization=svc.gpu_memory_utilization or r.gpu_memory_utilization, weight_sync="file")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=svc.path, lora=None), rollout=rollout)
+
+
 def serve(run_dir: str, index: int, device: str | None = None, role: str = "rollout",
           overrides: list[str] | None = None) -> int:
     """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
@@ -398,6 +419,13 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         engine = None
         service = RewardService(str(cfg.reward.model.path))
         register_score_route(service, cfg, device, own_device=True)
+    elif role in cfg.services.roles():  # a served model that is not the policy: its own folder, no weights pushed
+        served = service_job(cfg, role)
+        engine = make_engine(served, device)
+        service = RolloutService(engine, run, str(served.model.path), protocol.RequestLimits.of(served.rollout),
+                                 _model_vocab(str(served.model.path)), served.model.trust_remote_code,
+                                 served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout))
+        service.frozen_role = role
     else:
         engine = make_engine(cfg, device)
         service = RolloutService(engine, run, str(cfg.model.path), protocol.RequestLimits.of(cfg.rollout),
@@ -470,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, help="the run directory (job.yaml, token, rendezvous/)")
     ap.add_argument("--index", type=int, required=True, help="this server's index K (rendezvous/rollout-K.json)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    ap.add_argument("--role", choices=["rollout", "reward"], default="rollout",
-                    help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json)")
+    ap.add_argument("--role", choices=["rollout", "reward", "teacher"], default="rollout",
+                    help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json); teacher: "
+                    "services.teacher's model, no weights pushed (rendezvous/teacher-K.json)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a rollout.* override of the run's job.yaml (a rollout job's own engine settings)")
     args = ap.parse_args(argv)

@@ -1,0 +1,25 @@
+"""On-policy distillation: the student samples, the teacher scores every sampled token, and the per-token reverse KL
+between them is the learning signal.
+
+Sources: Thinking Machines, "On-Policy Distillation" (2025), https://thinkingmachines.ai/blog/on-policy-distillation/
+(reverse_kl = sampled log-probs - teacher log-probs; advantages = -coef * reverse_kl, per token, no discounting);
+verl's docs/algo/opd.md and its reverse-KL "distillation" advantage; Agarwal et al., "On-Policy Distillation of
+Language Models" (GKD, https://arxiv.org/abs/2306.13649) for the on-policy reverse KL objective.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token log pi_student(x_t) - log pi_teacher(x_t) of the sampled tokens: the one-sample estimate of
+    KL(student || teacher) at each position (the tokens are the student's samples)."""
+    return student_logprobs - teacher_logprobs
+
+
+def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
+                       coef: float) -> torch.Tensor:
+    """[B, T] per-token advantages -coef * reverse KL (0 outside the mask): a token the teacher finds likelier than
+    the student did is pushed up, one it finds unlikely is pushed down."""
+    return -coef * reverse_kl(student_logprobs, teacher_logprobs) * mask

@@ -1,0 +1,145 @@
+"""On-policy distillation (algorithm.distill, services.teacher): the per-token advantage against hand-computed values,
+the batch's teacher log-probs through select/concat/padding/checkpoints, the teacher server (scores like the local
+model, refuses weights), the checks at load, and the toy job: a student distilled from the SFT-built teacher reaches
+the toys' criterion in fewer steps than GRPO from the same student."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from hpc_rl import config
+from hpc_rl.algos.distill import distill_advantages, reverse_kl
+from hpc_rl.config import TinyModelConfig
+from hpc_rl.metrics import read_metrics
+from hpc_rl.models.tiny import build_tiny_model
+from hpc_rl.orchestrator.batch import RolloutBatch
+from hpc_rl.rundir import create, read_json
+
+from .runs import hpc_rl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_advantage_is_the_negative_reverse_kl_per_token():
+    student = torch.tensor([[-0.5, -2.0, -1.0], [-3.0, -0.1, 0.0]])
+    teacher = torch.tensor([[-0.1, -6.0, -1.0], [-0.2, -0.1, -9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    torch.testing.assert_close(reverse_kl(student, teacher), torch.tensor([[-0.4, 4.0, 0.0], [-2.8, 0.0, 9.0]]))
+    # -coef * (student - teacher): the teacher's likelier tokens up, its unlikely ones down; nothing past the mask
+    got = distill_advantages(student, teacher, mask, coef=0.5)
+    torch.testing.assert_close(got, torch.tensor([[0.2, -2.0, 0.0], [1.4, 0.0, 0.0]]))
+
+
+def _batch(n: int, teacher: bool) -> RolloutBatch:
+    return RolloutBatch(step=0, prompts=[[1, 2]] * n, responses=[[3, 4, 5][:1 + i % 3] for i in range(n)],
+                        loss_masks=[[1] * (1 + i % 3) for i in range(n)],
+                        rollout_logprobs=[[-1.0] * (1 + i % 3) for i in range(n)], versions=[0] * n,
+                        truncated=[False] * n, group_ids=[i // 2 for i in range(n)], prompt_ids=list(range(n)),
+                        teacher_logprobs=[[-0.5 * i] * (1 + i % 3) for i in range(n)] if teacher else None)
+
+
+def test_the_batch_carries_the_teachers_logprobs():
+    b = _batch(4, teacher=True)
+    assert b.select([3, 0]).teacher_logprobs == [[-1.5], [0.0]]
+    both = RolloutBatch.concat([b, _batch(2, teacher=True)])
+    assert both.teacher_logprobs == b.teacher_logprobs + [[0.0], [-0.5, -0.5]]
+    padded = b.with_fillers(2, token=0)
+    assert padded.teacher_logprobs[4:] == [[0.0], [0.0]]
+    assert RolloutBatch.from_json(json.loads(json.dumps(b.to_json()))).teacher_logprobs == b.teacher_logprobs
+    with pytest.raises(ValueError, match="teacher_logprobs has 1 entries for 4 samples"):
+        _batch(4, teacher=False).__class__(**{**b.__dict__, "teacher_logprobs": [[0.0]]})
+    with pytest.raises(ValueError, match="some batches have the teacher's log-probs"):
+        RolloutBatch.concat([b, _batch(2, teacher=False)])
+
+
+def test_distillation_and_its_teacher_are_checked_at_load():
+    toy = REPO / "jobs" / "toy-distill-cpu.yaml"
+    cfg = config.load(toy)
+    assert cfg.services.teacher.path.startswith("sft:") and cfg.algorithm.distill.only
+    with pytest.raises(config.ConfigError, match="algorithm.distill: on-policy distillation needs a teacher"):
+        config.load(toy, ["services.teacher=null"])
+    with pytest.raises(config.ConfigError, match="services.teacher: a teacher serves on-policy distillation"):
+        config.load(toy, ["algorithm.distill.coef=0", "algorithm.distill.only=false"])
+    with pytest.raises(config.ConfigError, match="the critic nothing to learn"):
+        config.load(toy, ["algorithm.name=ppo"])
+
+
+def test_a_teacher_with_another_tokenizer_is_refused_before_the_run_starts(tmp_path):
+    other = build_tiny_model(TinyModelConfig(), [f"{i} + {i} = {2 * i}" for i in range(50)], tmp_path / "other")
+    p = hpc_rl("run", REPO / "jobs" / "toy-distill-cpu.yaml", f"services.teacher.path={other}",
+               f"output_dir={tmp_path / 'runs'}", cwd=REPO)
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert err.startswith("hpc-rl: error: services.teacher.path: the tokenizer of ") and "is not the policy's" in err
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+@pytest.mark.slow
+def test_the_teacher_server_scores_like_its_model_and_refuses_weights(tmp_path):
+    from safetensors.torch import save
+
+    from hpc_rl.launch import start_rollout_server, stop_processes
+    from hpc_rl.models import load_causal_lm
+
+    corpus = [f"copy {a} {b} : {a} {b}" for a in range(10) for b in range(10)]
+    student = build_tiny_model(TinyModelConfig(), corpus, tmp_path / "student")
+    teacher = build_tiny_model(TinyModelConfig(init_std=0.2), corpus, tmp_path / "teacher")
+    cfg = config.load_dict({"name": "t", "model": {"path": str(student)}, "data": {"max_prompt_tokens": 16},
+                            "rollout": {"engine": "hf", "host": "127.0.0.1", "max_model_len": 32},
+                            "services": {"teacher": {"path": str(teacher)}}, "algorithm": {"distill": {"coef": 1.0}}})
+    run = create(tmp_path / "runs", "t")
+    run.job_yaml.write_text(config.dump(cfg))
+    proc = start_rollout_server(run, cfg, 0, kind="teacher")
+    try:
+        deadline = time.monotonic() + 120
+        while not (info := read_json(run.rollout_file(0, "teacher"))) and time.monotonic() < deadline:
+            assert proc.poll() is None, (run.logs / "teacher-0.log").read_text()[-2000:]
+            time.sleep(0.2)
+        s = requests.Session()
+        s.headers["Authorization"] = "Bearer " + run.read_token()
+        ids = [5, 6, 7, 8, 9, 10]
+        got = s.post(info["url"] + "/logprobs", json={"token_ids": [ids], "prompt_lens": [3]}, timeout=60).json()
+        model = load_causal_lm(teacher).eval()
+        with torch.no_grad():
+            lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+        want = [float(lp[j - 1, ids[j]]) for j in range(3, len(ids))]
+        assert got["logprobs"][0] == pytest.approx(want, abs=1e-5)  # the teacher's folder, not the policy's
+        r = s.post(info["url"] + "/weights?version=1&bucket=0&final=1",
+                   data=save({"lm_head.weight": torch.zeros(1)}), timeout=60)
+        assert r.status_code == 400 and "teacher server (services.teacher): its weights never change" in r.text
+    finally:
+        stop_processes([proc])
+
+
+@pytest.mark.slow
+def test_a_student_distilled_from_the_sft_teacher_learns_faster_than_grpo(tmp_path):
+    """jobs/toy-distill-cpu.yaml as users run it (from the repository, its teacher and student built by the toy SFT
+    job): the student reaches the toys' criterion (last-5 mean rule reward >= 0.8, trainer.stop_at) and in fewer steps
+    than GRPO on the rule reward from the same student; the teacher served every step and never took weights."""
+    stop = "trainer.stop_at={reward_mean: 0.8}"
+    p = hpc_rl("run", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path / 'distill'}", stop, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (run,) = list((tmp_path / "distill").iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    rewards = [r["reward_mean"] for r in rows]
+    kls = [r["distill/reverse_kl"] for r in rows]
+    assert sum(rewards[-5:]) / 5 >= 0.8 and len(rows) < 60, rewards
+    assert all(r["teacher_seconds"] > 0 for r in rows) and kls[-1] < 0.5 * kls[0], kls
+    teacher_log = (run / "logs" / "teacher-0.log").read_text()
+    assert "teacher server 0 serving" in teacher_log and "weights: loaded" not in teacher_log
+    assert "1 teacher server(s)" in p.stdout + p.stderr
+
+    p = hpc_rl("run", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path / 'grpo'}", stop, "services.teacher=null",
+               "algorithm.distill.coef=0", "algorithm.distill.only=false", cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (grpo_run,) = list((tmp_path / "grpo").iterdir())
+    grpo = [r["reward_mean"] for r in read_metrics(grpo_run / "metrics.jsonl")]
+    print(f"toy distillation: {len(rewards)} steps to a last-5 mean reward of 0.8 (reverse KL {kls[0]:.2f} -> "
+          f"{kls[-1]:.2f}); GRPO from the same student: {len(grpo)} steps")
+    assert len(rewards) < len(grpo), (rewards, grpo)
