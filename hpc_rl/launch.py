@@ -559,13 +559,13 @@ def job_of_attempt(run: RunDir, num_nodes: int) -> JobConfig:
     """The run's job with this attempt's trainer nodes: the job's nodes but its rollout and reward nodes (a node range
     in trainer.nodes takes what Slurm gave; a fixed count must match it)."""
     cfg = config.load(run.job_yaml)
-    others = cfg.rollout.nodes + cfg.reward.nodes
+    others = cfg.server_nodes
     try:
         cfg.resolve_trainer_nodes(num_nodes - others)
     except ConfigError:
         raise HpcRlError(f"the job has {num_nodes} nodes but trainer.nodes ({cfg.trainer.nodes}) + rollout.nodes + "
-                         f"reward.nodes ({others}) does not match; submit with hpc-rl submit so the node count matches "
-                         "the spec") from None
+                         f"reward.nodes + services' nodes ({others}) does not match; submit with hpc-rl submit so the "
+                         "node count matches the spec") from None
     return cfg
 
 
@@ -581,15 +581,21 @@ def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
                  master["addr"], master["port"])
         if node_index == 0:
             _record_attempt(run, cfg)
+        # The services without nodes of their own (services.ROLE.nodes 0) run beside the first trainer node's ranks.
+        beside = [(role, k) for role, svc in cfg.services.roles().items() if not svc.nodes
+                  for k in range(svc.servers_per_node)] if node_index == 0 else []
+        keeper = ServerKeeper(run, cfg, beside, node_server_devices(cfg, beside)) if beside else None
         ranks = start_trainer_ranks(run, cfg, node_index, master["addr"], int(master["port"]))
         _node_trainers[:] = ranks
-        return wait_trainers(run, ranks, [])
-    if node_index < cfg.trainer.nodes + cfg.rollout.nodes:
-        first = (node_index - cfg.trainer.nodes) * cfg.rollout.servers_per_node
-        entries = [("rollout", k) for k in range(first, first + cfg.rollout.servers_per_node)]
-    else:  # a reward node: one reward server
-        entries = [("reward", node_index - cfg.trainer.nodes - cfg.rollout.nodes)]
-    return serve_servers(run, cfg, node_index, entries)
+        code = wait_trainers(run, ranks, keeper.procs if keeper else [], keeper)
+        if keeper is not None:
+            stop_processes(keeper.procs)
+        return code
+    node = cfg.node_roles()[node_index]
+    # A rollout or a service's node: procs servers, numbered on from the nodes of the same role before it; a reward
+    # node: one reward server.
+    first = node.role_index * node.procs
+    return serve_servers(run, cfg, node_index, [(node.role, k) for k in range(first, first + node.procs)])
 
 
 def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> dict | None:
@@ -604,7 +610,8 @@ def node_server_devices(cfg: JobConfig, entries: list[tuple], environ=None) -> d
         visible = [str(i) for i in range(n if cfg.trainer.device != "cpu" else 0)]
     if not visible:
         return None
-    per = {"rollout": cfg.gpus_per_rollout_server, "reward": 1}
+    per = {"rollout": cfg.gpus_per_rollout_server, "reward": 1,
+           **{role: svc.tensor_parallel for role, svc in cfg.services.roles().items()}}
     out, start = {}, 0
     for e in entries:
         out[e] = visible[start:start + per[e[0]]]

@@ -269,3 +269,25 @@ def test_sft_on_two_trainer_nodes_without_rollout_nodes(slurm_cluster, tmp_path)
     assert len(losses) == 10 and losses[-1] < 0.5 * losses[0], losses
     assert [r["eval/step"] for r in rows if "eval/loss" in r] == [0, 5, 10]
     assert (run / "checkpoints" / "step_10" / "hf" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_a_teacher_node_of_the_job_serves_the_distillation(slurm_cluster, tmp_path):
+    """jobs/toy-distill-cpu.yaml as a job of three nodes: trainer (n1), rollout server (n2) and the teacher on a node of
+    its own (n3, services.teacher.nodes 1), reached by address; every step has the teacher's scores, the teacher never
+    takes weights, the job COMPLETES."""
+    p = hpc_rl("submit", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path}", "rollout.nodes=1",
+               "services.teacher.nodes=1", "trainer.steps=4", "eval.source=null", "checkpoint.every=0", timeout=600)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900, f"job {job_id} to end",
+                     poll_s=2)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    logs = {t: (run / "submitit" / f"{job_id}_{t}_log.out").read_text() for t in range(3)}
+    assert "on n1 (10.77.0.11): trainer" in logs[0] and "on n2 (10.77.0.12): rollout" in logs[1], logs
+    assert "on n3 (10.77.0.13): teacher" in logs[2] and "teacher server 0" in logs[2], logs[2]
+    teacher_log = (run / "logs" / "teacher-0.log").read_text()
+    assert "teacher server 0 serving http://10.77.0.13:" in teacher_log and "weights: loaded" not in teacher_log
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["teacher_seconds"] > 0 for r in rows), rows
+    assert all(r["distill/reverse_kl"] > 0 for r in rows)

@@ -1,53 +1,38 @@
-"""Which node of a job does what: trainer nodes first, then rollout nodes, then reward nodes (one submitit task
-per node)."""
+"""Which node of a job does what: trainer nodes first, then rollout nodes, then reward nodes, then the services'
+nodes (services.ROLE.nodes, e.g. teacher; one submitit task per node)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..config import JobConfig
+from ..config.job import NodeRole
 from ..config.trainer import node_range
 from ..errors import ConfigError
 
 
-@dataclass(frozen=True)
-class NodeRole:
-    index: int          # node index inside the job (submitit JobEnvironment().node)
-    role: str           # "trainer", "rollout" or "reward"
-    role_index: int     # index among nodes of the same role
-    procs: int          # trainer ranks, rollout servers or reward servers started on this node
-
-
 def total_nodes(cfg: JobConfig) -> int:
-    """Nodes of the whole job: trainer.nodes + rollout.nodes + reward.nodes (a node range: its MAX trainer nodes)."""
-    return node_range(cfg.trainer.nodes)[1] + cfg.rollout.nodes + cfg.reward.nodes
+    """Nodes of the whole job: trainer.nodes + the serving nodes (a node range: its MAX trainer nodes)."""
+    return node_range(cfg.trainer.nodes)[1] + cfg.server_nodes
 
 
 def nodes_request(cfg: JobConfig) -> str:
     """sbatch's --nodes: the job's node count, or for a trainer node range MIN-MAX with the rollout and reward
     nodes added to both ends (Slurm starts the job once MIN are free and gives it up to MAX)."""
     lo, hi = node_range(cfg.trainer.nodes)
-    others = cfg.rollout.nodes + cfg.reward.nodes
+    others = cfg.server_nodes
     return str(lo + others) if lo == hi else f"{lo + others}-{hi + others}"
 
 
 def role_of(cfg: JobConfig, node_index: int) -> str:
-    """'trainer' for node_index < trainer.nodes, then 'rollout' for the rollout nodes, then 'reward' (a node range:
+    """'trainer' for node_index < trainer.nodes, then 'rollout', 'reward' and the services' roles (a node range:
     resolved to this attempt's count first, JobConfig.resolve_trainer_nodes)."""
     if not 0 <= node_index < total_nodes(cfg):
         raise ValueError(f"node index {node_index} outside a job of {total_nodes(cfg)} nodes")
-    if node_index < cfg.trainer.nodes:
-        return "trainer"
-    return "rollout" if node_index < cfg.trainer.nodes + cfg.rollout.nodes else "reward"
+    return next(n.role for n in node_roles(cfg) if n.index == node_index)
 
 
 def node_roles(cfg: JobConfig) -> list[NodeRole]:
-    """Every node of the job with its role, in node-index order."""
-    t = node_range(cfg.trainer.nodes)[1]
-    out = [NodeRole(i, "trainer", i, cfg.trainer.procs_per_node) for i in range(t)]
-    out += [NodeRole(t + k, "rollout", k, cfg.rollout.servers_per_node) for k in range(cfg.rollout.nodes)]
-    out += [NodeRole(t + cfg.rollout.nodes + k, "reward", k, 1) for k in range(cfg.reward.nodes)]
-    return out
+    """Every node of the job with its role, in node-index order (a node range: its MAX trainer nodes)."""
+    return cfg.node_roles(node_range(cfg.trainer.nodes)[1])
 
 
 def check_layout(cfg: JobConfig) -> None:
@@ -77,7 +62,7 @@ def describe(cfg: JobConfig) -> list[str]:
     for n in node_roles(cfg):
         what = {"trainer": f"{n.procs} trainer rank(s)",
                 "rollout": f"{n.procs} rollout server(s), tensor parallel {cfg.rollout.tensor_parallel}",
-                "reward": "1 reward server (the reward model only)"}[n.role]
+                "reward": "1 reward server (the reward model only)"}.get(n.role, f"{n.procs} {n.role} server(s)")
         if n.role == "trainer" and cfg.algorithm.supervised:
             what += ", SFT: no rollout server"
         elif n.role == "trainer" and n.role_index == 0 and cfg.rollout.nodes == 0:

@@ -175,8 +175,8 @@ def render_hetjob(cfg: JobConfig, run_dir: str | Path) -> str:
 
     rollout_gpus = s.rollout_gpus_per_node if s.rollout_gpus_per_node is not None else s.gpus_per_node
     trainer = {**job_wide, **resources(s.partition, cfg.trainer.nodes, s.gpus_per_node), **_additional(cfg)}
-    # Reward nodes (reward.nodes) sit in the rollout component, after its rollout nodes.
-    rollout = resources(s.rollout_partition or s.partition, cfg.rollout.nodes + cfg.reward.nodes, rollout_gpus)
+    # Reward nodes (reward.nodes) and the services' nodes sit in the rollout component, after its rollout nodes.
+    rollout = resources(s.rollout_partition or s.partition, cfg.server_nodes, rollout_gpus)
     components = [
         {"role": "trainer", "node_offset": 0, "flags": _flags(trainer)},
         {"role": "rollout", "node_offset": cfg.trainer.nodes, "flags": _flags(rollout)},

@@ -20,6 +20,16 @@ from .services import ServicesConfig
 from .trainer import TrainerConfig, node_range
 
 
+@dataclass(frozen=True)
+class NodeRole:
+    """One node of a Slurm job and what it runs."""
+
+    index: int          # node index inside the job (submitit JobEnvironment().node)
+    role: str           # "trainer", "rollout", "reward" or a service's role ("teacher")
+    role_index: int     # index among nodes of the same role
+    procs: int          # trainer ranks or servers started on this node (a reward node: its one reward server)
+
+
 @dataclass
 class JobConfig:
     """A whole job spec."""
@@ -89,6 +99,22 @@ class JobConfig:
             raise ConfigError(f"trainer.nodes: this job has {nodes} trainer node(s), outside {self.trainer.nodes}; "
                               "submit with hpc-rl submit so the node count matches the spec")
         self.trainer.nodes = nodes
+
+    def node_roles(self, trainer_nodes: int | None = None) -> list[NodeRole]:
+        """Every node of the job in node-index order: trainer nodes, then rollout, reward and the services' nodes
+        (`trainer_nodes`: for a node range, the count to lay out)."""
+        t = self.trainer.nodes if trainer_nodes is None else trainer_nodes
+        out = [NodeRole(i, "trainer", i, self.trainer.procs_per_node) for i in range(t)]
+        out += [NodeRole(t + k, "rollout", k, self.rollout.servers_per_node) for k in range(self.rollout.nodes)]
+        out += [NodeRole(len(out), "reward", k, 1) for k in range(self.reward.nodes)]
+        for role, svc in self.services.roles().items():
+            out += [NodeRole(len(out), role, k, svc.servers_per_node) for k in range(svc.nodes)]
+        return out
+
+    @property
+    def server_nodes(self) -> int:
+        """Nodes of the job that serve rather than train: rollout, reward and services' nodes, in that order."""
+        return self.rollout.nodes + self.reward.nodes + sum(s.nodes for s in self.services.roles().values())
 
     @property
     def gpus_per_rollout_server(self) -> int:
