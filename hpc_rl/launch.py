@@ -22,7 +22,7 @@ from .data.datasets import PromptDataset, load_rows, tokenizer_corpus
 from .data.sft import SFTDataset
 from .data.toy import toy_chat_template
 from .data.verifiers_tasks import is_verifiers
-from .errors import ConfigError, HpcRlError
+from .errors import ConfigError, HpcRlError, RolloutError
 from .logs import last_error_line, setup_logging, tail_lines
 from .models.loading import check_model_dir, check_same_tokenizer, load_tokenizer
 from .models.lora import check_targets as check_lora_targets
@@ -77,6 +77,8 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
                                                          for r, s in cfg.services.roles().items()]:
         if is_sft_spec(path):
             parse_sft_spec(path, key)  # the SFT job exists: checked before the run dir is made
+    if cfg.reward.judge is not None:
+        check_judge(cfg)
     run = rundir.create(cfg.output_dir, cfg.name)
     try:
         if is_sft_spec(cfg.model.path):  # the student (or policy) an SFT job makes
@@ -101,8 +103,10 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
             rm.path = str(Path(rm.path).resolve())
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
         for role, svc in cfg.services.roles().items():
-            svc.path = str(check_model_dir(svc.path, f"services.{role}.path").resolve())
-            check_same_tokenizer(tokenizer, cfg.model.path, svc.path, f"services.{role}.path")
+            if svc.path:
+                svc.path = str(check_model_dir(svc.path, f"services.{role}.path").resolve())
+        if cfg.services.teacher is not None:  # it scores the policy's token ids
+            check_same_tokenizer(tokenizer, cfg.model.path, cfg.services.teacher.path, "services.teacher.path")
         if cfg.algorithm.supervised:  # every row's target and length, before anything starts
             SFTDataset(cfg.data, tokenizer, cfg.seed)
             if cfg.eval.enabled:
@@ -120,6 +124,23 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
         shutil.rmtree(run.root, ignore_errors=True)
         raise
     return run, cfg
+
+
+def check_judge(cfg: JobConfig) -> None:
+    """reward.judge before anything starts: the template's variables against the data's first row, the parser on a
+    plain answer, and an endpoint's URL and key with one request."""
+    from .orchestrator.judge import Endpoint
+    from .rewards.judge import check_template_variables, make_parser
+
+    row = load_rows(cfg.data, cfg.seed)[0]
+    check_template_variables(cfg.reward.judge.template, row)
+    make_parser(cfg.reward.judge)("yes", row)
+    svc = cfg.services.judge
+    if svc.url:
+        try:
+            Endpoint(svc.url, svc.api_key_env, svc.model, cfg.rollout.request_timeout_s).check()
+        except RolloutError as e:
+            raise ConfigError(str(e)) from None
 
 
 def clear_rendezvous(run: RunDir) -> None:

@@ -70,14 +70,16 @@ def sft_step(step: int, cfg: JobConfig, learner, data: SFTDataset) -> dict:
     return stats
 
 
-def held_out_loss(learner, held_out: SFTDataset) -> dict:
+def held_out_loss(cfg: JobConfig, learner, held_out: SFTDataset) -> dict:
     """eval/loss (mean negative log-likelihood of the held-out rows' trained tokens) of the current weights."""
+    from .orchestrator.evaluation import eval_subset
     from .train.sft_update import held_out_loss as nll
     from .train.sft_update import pack_examples
 
     dist = learner.dist
-    mine, pad = held_out_rows(len(held_out), dist.world_size, dist.rank)
-    examples = [held_out.examples[i] for i in mine]
+    subset = eval_subset(len(held_out), cfg.eval.max_prompts, cfg.seed)  # eval.max_prompts: a seeded subset
+    mine, pad = held_out_rows(len(subset), dist.world_size, dist.rank)
+    examples = [held_out.examples[subset[i]] for i in mine]
     first = held_out.examples[0]
     examples += [type(first)(first.prompt, first.target, [0] * len(first.mask))] * pad  # trains and counts nothing
     loss, tokens = nll(learner, pack_examples(examples, learner.tokenizer.pad_token_id).to(dist.device))
@@ -108,7 +110,8 @@ def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
         log.info("SFT on %d rows of %s (%d trained tokens): %d rows per step, %d optimizer step(s) each, %.2f "
                  "epoch(s) in %d steps%s", len(data), cfg.data.source, data.trained_tokens, cfg.samples_per_step,
                  cfg.samples_per_step // cfg.trainer.mini_batch_size, total * cfg.samples_per_step / len(data), total,
-                 f"; eval/loss on {len(held_out)} rows of {cfg.eval.source}" if held_out else "")
+                 f"; eval/loss on {min(len(held_out), cfg.eval.max_prompts or len(held_out))} rows of {cfg.eval.source}"
+                 if held_out else "")
         if cfg.trainer.stop_at:
             done = [r for r in read_metrics(run.metrics) if r.get("step", 0) <= learner.step]
             stop_at = StopAt(cfg.trainer.stop_at, cfg.trainer.stop_window, done)
@@ -116,7 +119,7 @@ def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
     try:
         gc.freeze()  # as in loop.train: the run's long-lived objects stay out of the collector's scans
         if held_out is not None and learner.step == 0 and cfg.eval.at_start:
-            m = held_out_loss(learner, held_out)
+            m = held_out_loss(cfg, learner, held_out)
             if dist.is_main:
                 writer.write(0, {**m, "eval/step": 0})
                 log.info("step 0/%d | eval loss %.4f", total, m["eval/loss"])
@@ -127,7 +130,7 @@ def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
             m = sft_step(step, cfg, learner, data)
             learner.step = learner.policy_version = step + 1
             if held_out is not None and cfg.eval.due(learner.step, total):
-                m.update(held_out_loss(learner, held_out), **{"eval/step": learner.step})
+                m.update(held_out_loss(cfg, learner, held_out), **{"eval/step": learner.step})
             stopped = None
             if cfg.trainer.stop_at:  # rank 0 decides; every rank stops at the same step
                 why = stop_at.reached(m) if dist.is_main else None

@@ -52,6 +52,30 @@ class OverlongConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """An LLM as the reward (the part "judge"): the template's prompt -> the judge's answer (services.judge) -> the
+    parser -> a score; combined with the other parts through reward.weights."""
+
+    # jinja2 template of the judge's prompt over `prompt` and `completion` (the texts) and the row's fields, e.g.
+    # "Question: {{ prompt }} Answer: {{ completion }} Reference: {{ ground_truth }}. Is the answer right? yes or no".
+    # A judge whose tokenizer has a chat template gets it as a user message.
+    template: str = ""
+    # How an answer becomes a score: yes_no (1 when it starts with yes, 0 with no), score (the regex's first number,
+    # mapped from score_range to [0, 1]), or pkg.mod:fn(answer, row) -> float, or None when it does not parse.
+    parser: str = "yes_no"
+    # score: the range of the judge's numbers; a number outside it does not parse.
+    score_range: list = field(default_factory=lambda: [0, 10])
+    # score: the regex whose first group is the number.
+    regex: str = r"(-?\d+(?:\.\d+)?)"
+    # The reward of a sample whose judgment does not parse (counted in judge/parse_failed_frac).
+    fallback: float = 0.0
+    # Tokens of the judge's answer at most.
+    max_new_tokens: int = 16
+    # The judge's sampling temperature; 0: greedy.
+    temperature: float = 0.0
+
+
+@dataclass
 class RewardConfig:
     """Rewards: a callable `pkg.mod:fn(prompt, completion, **row_fields) -> float`, a reward model, or both."""
 
@@ -63,6 +87,8 @@ class RewardConfig:
     batched: bool = False
     # A sequence-classification reward model; null: none.
     model: RewardModelConfig | None = None
+    # An LLM judge's verdict as a reward part (served by services.judge); null: none.
+    judge: JudgeConfig | None = None
     # Nodes of their own for the reward model (placement: server): one reward server on each, after the rollout
     # nodes; 0: each rollout server hosts it, on a GPU of its own.
     nodes: int = 0
@@ -82,8 +108,8 @@ class RewardConfig:
 
     @property
     def parts(self) -> list[str]:
-        """The reward's parts that are trained on: 'function', 'model' or both."""
-        return [name for name, on in (("function", self.function), ("model", self.model)) if on]
+        """The reward's parts that are trained on: 'function', 'model' and 'judge', those that are set."""
+        return [name for name, on in (("function", self.function), ("model", self.model), ("judge", self.judge)) if on]
 
     @property
     def on_rollout_servers(self) -> bool:
@@ -102,16 +128,18 @@ def check(cfg: JobConfig, need) -> None:
          f"({budget} tokens: {'rollout.max_total_tokens' if cfg.rollout.env else 'rollout.max_new_tokens'}); make "
          "it a part of the budget, e.g. a quarter")
     env = cfg.rollout.env or cfg.rollout.agent  # an agent's reward is the "environment" part, as an env's
-    need(bool(rw.parts) or bool(env), "reward: neither reward.function nor reward.model is set (nor rollout.env or "
-         "rollout.agent); "
-         "give a reward function (pkg.module:function), a reward model (reward.model.path), or both")
+    need(bool(rw.parts) or bool(env), "reward: neither reward.function nor reward.model nor reward.judge is set (nor "
+         "rollout.env or rollout.agent); "
+         "give a reward function (pkg.module:function), a reward model (reward.model.path), a judge, or several")
     for key, w in rw.weights.items():
-        need(key in ("function", "model", "environment"),
-             f"reward.weights.{key}: unknown part; the parts are 'function', 'model' and 'environment'")
+        need(key in ("function", "model", "judge", "environment"),
+             f"reward.weights.{key}: unknown part; the parts are 'function', 'model', 'judge' and 'environment'")
         need(isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w),
              f"reward.weights.{key}: expected a finite number, got {w!r}")
         need(key in rw.parts or (key == "environment" and env), f"reward.weights.{key}: this job has no reward "
              f"{key}; remove the weight or set {'rollout.env' if key == 'environment' else 'reward.' + key}")
+    if rw.judge is not None:
+        check_judge(cfg, need)
     need(rw.nodes >= 0, f"reward.nodes must be >= 0; got {rw.nodes}")
     need(not rw.nodes or (rm is not None and rm.placement == "server"),
          "reward.nodes: nodes of their own serve a reward model; set reward.model with placement: server, or "
@@ -144,3 +172,35 @@ def check(cfg: JobConfig, need) -> None:
              "rollout.local_devices: with reward.model.placement server each rollout server takes "
              f"rollout.tensor_parallel + 1 = {per} GPUs (the last for the reward model); "
              f"got {len(r.local_devices)}")
+
+
+JUDGE_PARSERS = ("yes_no", "score")
+
+
+def check_judge(cfg: JobConfig, need) -> None:
+    import re
+
+    import jinja2
+
+    j = cfg.reward.judge
+    need(cfg.services.judge is not None, "reward.judge: an LLM judge needs services.judge (path: an HF folder served "
+         "by the run, or url: an OpenAI-compatible endpoint)")
+    need(bool(j.template.strip()), "reward.judge.template: give the judge's prompt, a jinja2 template over {{ prompt "
+         "}}, {{ completion }} and the row's fields")
+    try:
+        jinja2.Environment().parse(j.template)
+    except jinja2.TemplateSyntaxError as e:
+        need(False, f"reward.judge.template: not a valid jinja2 template ({e.message}, line {e.lineno})")
+    need(j.parser in JUDGE_PARSERS or re.fullmatch(r"[\w.]+:\w+", j.parser) is not None,
+         f"reward.judge.parser: {j.parser!r}; use yes_no, score or pkg.module:function")
+    lo_hi = j.score_range
+    need(isinstance(lo_hi, list) and len(lo_hi) == 2 and all(isinstance(v, (int, float)) for v in lo_hi)
+         and lo_hi[0] < lo_hi[1], f"reward.judge.score_range: two numbers [low, high] with low < high; got {lo_hi}")
+    try:
+        need(re.compile(j.regex).groups >= 1, f"reward.judge.regex: {j.regex!r} has no group; the first group is the "
+             "number")
+    except re.error as e:
+        need(False, f"reward.judge.regex: {j.regex!r} is not a regex ({e})")
+    need(math.isfinite(j.fallback), f"reward.judge.fallback must be a finite number; got {j.fallback}")
+    need(j.max_new_tokens >= 1, f"reward.judge.max_new_tokens must be >= 1; got {j.max_new_tokens}")
+    need(j.temperature >= 0, f"reward.judge.temperature must be >= 0 (0: greedy); got {j.temperature}")

@@ -219,7 +219,9 @@ def check_reward(ctx: Ctx) -> list[Result]:
     if ctx.job.algorithm.supervised:
         return out + [Result("job:reward", OK, "SFT: no reward (the completions are the targets)")]
     if not rc.function:
-        return out + [Result("job:reward", OK, "no reward function: the reward model alone scores (see job:reward-model)")]
+        alone = "the judge (reward.judge)" if rc.judge is not None and rc.model is None else "the reward model"
+        return out + [Result("job:reward", OK, f"no reward function: {alone} scores"
+                             f"{' (see job:reward-model)' if rc.model is not None else ''}")]
     try:
         fn = load_reward_fn(rc.function)
     except RewardError as e:

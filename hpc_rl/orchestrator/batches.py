@@ -93,6 +93,11 @@ class BatchMaker:
                  "gen_tokens_per_s": gen_tokens / gen_s if gen_s > 0 else 0.0,
                  "prompt_ids": [int(self.dataset.rows[i]["id"]) for i in idx],
                  "samples_sha1": samples_sha1(b.responses), **server_token_stats(served)}
+        if sampled.judgments is not None:
+            stats.update(sampled.judgments.stats())
+            if debug:
+                log.debug("step %d: the judge's answer to sample 0: %r -> %s", step + 1, sampled.judgments.answers[0],
+                          sampled.judgments.scores[0])
         inputs = self.sampler.reward_inputs
         if inputs is not None and inputs.truncated:
             stats["reward_model_truncated"] = inputs.truncated

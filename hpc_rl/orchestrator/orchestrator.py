@@ -22,6 +22,7 @@ from ..config import JobConfig
 from ..errors import HpcRlError, RolloutError, TrainingError
 from ..logs import tail_lines
 from ..metrics import MetricsWriter
+from ..models.loading import load_tokenizer
 from ..rewards.base import RewardShaper, combine_rewards, describe
 from ..rewards.model import load_reward_tokenizer
 from ..rollout.client.rollout_client import RolloutClient
@@ -29,6 +30,7 @@ from ..rundir import RunDir, write_json_atomic
 from .batch import RolloutBatch
 from .batches import BatchMaker
 from .evaluation import EvalLog, Evaluator
+from .judge import Judge
 from .pipeline import RolloutPipeline
 from .sampling import Sampler
 
@@ -72,11 +74,21 @@ class Orchestrator:
         if cfg.services.teacher is not None:
             self.teacher_client = RolloutClient.from_run_dir(run, cfg, kind="teacher")
             self.teacher_client.wait_ready(cfg.services.teacher.servers, cfg.rollout.startup_timeout_s)
+        judge = None  # reward.judge: the run's judge servers (or an endpoint) and the judge's tokenizer
+        if cfg.reward.judge is not None:
+            svc = cfg.services.judge
+            judge_client, judge_tokenizer = None, None
+            if not svc.url:
+                judge_client = RolloutClient.from_run_dir(run, cfg, kind="judge")
+                judge_client.wait_ready(svc.servers, cfg.rollout.startup_timeout_s)
+                judge_tokenizer = load_tokenizer(svc.path, key="services.judge.path")
+            judge = Judge(cfg, judge_client, judge_tokenizer)
+        self.judge = judge
         # The reward model's tokenizer: the samples are tokenized again for it (it may not be the policy's).
         reward_tokenizer = load_reward_tokenizer(cfg.reward.model) if cfg.reward.model is not None else None
         # Model-written code (the python tool) must not see this run's token nor other runs': the sandbox hides both.
         self.sampler = Sampler(cfg, tokenizer, self.client, reward_tokenizer, self.reward_client,
-                               hide=[run.root, run.root.parent])
+                               hide=[run.root, run.root.parent], judge=judge)
         self.maker = BatchMaker(cfg, self.sampler, self.teacher_client)
         self.shaper = RewardShaper(cfg.reward)  # shapes each step's rewards in step order
         if resumed.shaper:
@@ -247,7 +259,7 @@ class Orchestrator:
         self.pipeline.close()
         self.sampler.close()
         self.client.close()  # leaves the weight-sync group before the servers see done.json
-        for client in (self.reward_client, self.teacher_client):
+        for client in (self.reward_client, self.teacher_client, self.judge and self.judge.client):
             if client is not None:
                 client.close()
         if not preempted:

@@ -28,6 +28,7 @@ from ..rollout.wire.sampling import SamplingParams
 from .agent_front import AgentFront
 from .agents import AgentRollout, agent_batch, load_agent
 from .batch import RolloutBatch
+from .judge import Judge, Judgments
 from .multi_turn import Limits, MultiTurnRollout
 from .seeds import SeedStream
 from .verifiers_env import VerifiersEnv
@@ -54,6 +55,7 @@ class Scoring:
     monitor_cfg: RewardConfig | None = None
     reward_model: bool = False  # the part "model_logits" (servers) or the reward model's ids (trainer ranks)
     overlong: bool = False  # DAPO's overlong penalty: the part "overlong"
+    judge: bool = False  # reward.judge's verdicts: the part "judge"
 
 
 @dataclass
@@ -67,14 +69,16 @@ class Sampled:
     gen_seconds: float
     reward_seconds: float
     turn_stats: dict = field(default_factory=dict)  # the multi-turn loop's statistics
+    judgments: Judgments | None = None  # the judge's answers and their statistics (reward.judge)
 
 
 class Sampler:
     """Generates and scores through the run's rollout client; rank 0 holds one per run."""
 
     def __init__(self, cfg: JobConfig, tokenizer, client, reward_tokenizer=None, reward_client=None,
-                 hide: list | None = None):
+                 hide: list | None = None, judge: Judge | None = None):
         self.cfg, self.tokenizer, self.client = cfg, tokenizer, client
+        self.judge = judge
         # Who scores with the reward model (placement: server): the reward nodes' servers, else the rollout servers.
         self.reward_client = reward_client or client
         rw = cfg.reward
@@ -114,7 +118,8 @@ class Sampler:
         return Scoring(function=load_reward_fn(rw.function) if rw.function else None, function_cfg=rw,
                        monitor=load_reward_fn(rw.monitor, "reward.monitor") if rw.monitor else None,
                        monitor_cfg=dataclasses.replace(rw, kwargs={}, batched=False),  # reward.kwargs: the function's
-                       reward_model=rw.model is not None, overlong=bool(rw.overlong.buffer_tokens))
+                       reward_model=rw.model is not None, overlong=bool(rw.overlong.buffer_tokens),
+                       judge=rw.judge is not None)
 
     def sample(self, dataset: PromptDataset, idx: list[int], n: int, params: SamplingParams, seeds: SeedStream,
                step: int, scoring: Scoring) -> Sampled:
@@ -153,16 +158,20 @@ class Sampler:
         prompt_texts = [dataset.texts[i] for i in idx for _ in range(n)]
         t1 = time.time()
         view = batch.episodes()  # an episode earns one reward: its parts are scored once, given to all its samples
-        self._score(view, scoring, prompt_texts, texts, rows)
+        judgments = self._score(view, scoring, prompt_texts, texts, rows)
         if view is not batch:
             batch.reward_parts = {k: batch.per_sample(v) for k, v in view.reward_parts.items()}
             if view.reward_model_ids is not None:
                 batch.reward_model_ids = batch.per_sample(view.reward_model_ids)
-        return Sampled(batch, texts, prompt_texts, rows, gen_s, time.time() - t1, turn_stats)
+        return Sampled(batch, texts, prompt_texts, rows, gen_s, time.time() - t1, turn_stats, judgments)
 
     def _score(self, batch: RolloutBatch, scoring: Scoring, prompt_texts: list[str], texts: list[str],
-               rows: list[dict]) -> None:
+               rows: list[dict]) -> Judgments | None:
         parts = batch.reward_parts
+        judgments = None
+        if scoring.judge:
+            judgments = self.judge(prompt_texts, texts, rows, batch.step)
+            parts["judge"] = judgments.scores
         if scoring.function is not None:
             parts["function"] = compute_rewards(scoring.function, scoring.function_cfg, prompt_texts, texts, rows,
                                                 scoring.function_key).tolist()
@@ -180,4 +189,5 @@ class Sampler:
             ol = self.cfg.reward.overlong
             parts["overlong"] = overlong_penalty([len(x) for x in batch.responses], self.cfg.response_budget,
                                                  ol.buffer_tokens, ol.penalty).tolist()
+        return judgments
 

@@ -498,9 +498,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-dir", required=True, help="the run directory (job.yaml, token, rendezvous/)")
     ap.add_argument("--index", type=int, required=True, help="this server's index K (rendezvous/rollout-K.json)")
     ap.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    ap.add_argument("--role", choices=["rollout", "reward", "teacher"], default="rollout",
-                    help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json); teacher: "
-                    "services.teacher's model, no weights pushed (rendezvous/teacher-K.json)")
+    ap.add_argument("--role", choices=["rollout", "reward", "teacher", "judge"], default="rollout",
+                    help="reward: a reward node's server, the reward model only (rendezvous/reward-K.json); teacher, "
+                    "judge: services.ROLE's model, no weights pushed (rendezvous/ROLE-K.json)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="a rollout.* override of the run's job.yaml (a rollout job's own engine settings)")
     args = ap.parse_args(argv)
