@@ -70,11 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failed", action="store_true", help="resubmit: the points that failed (they resume)")
     p.add_argument("--sweeps-dir", default="runs/sweeps", help=SWEEPS_DIR_HELP)
 
-    p = sub.add_parser("rollout", help="rollout servers as Slurm jobs of their own: add RUN | list RUN | remove RUN JOBID")
+    p = sub.add_parser("rollout", help="rollout (or teacher, judge) servers as Slurm jobs of their own: add RUN | list "
+                       "RUN | remove RUN JOBID")
     p.add_argument("args", nargs="+", metavar="ARG",
-                   help="add RUN [rollout.*=V slurm.*=V] | list RUN | remove RUN JOBID")
+                   help="add RUN [--role teacher|judge] [rollout.*=V slurm.*=V] | list RUN | remove RUN JOBID")
     p.add_argument("--nodes", type=int, default=1, help="add: nodes of the rollout job (default 1)")
     p.add_argument("--servers-per-node", type=int, help="add: servers per node (default: rollout.servers_per_node)")
+    p.add_argument("--role", choices=["rollout", "teacher", "judge"], default="rollout",
+                   help="add: serve the policy (rollout, default) or the job's services.teacher / services.judge")
     p.add_argument("--dry-run", action="store_true", help="add: print the job's sbatch script; submit nothing")
     p.add_argument("--json", action="store_true", help="list: machine-readable output")
     p.add_argument("--runs-dir", default="runs", help=RUNS_DIR_HELP)
@@ -148,7 +151,7 @@ def dispatch(args: argparse.Namespace) -> int:
     if args.command == "rollout":
         from .cluster.rollout_jobs import rollout_cli
         return rollout_cli(args.args, nodes=args.nodes, servers_per_node=args.servers_per_node, dry_run=args.dry_run,
-                           as_json=args.json, runs_dir=args.runs_dir)
+                           as_json=args.json, runs_dir=args.runs_dir, role=args.role)
     if args.command == "eval" and (args.submit or args.dry_run):
         if args.job or not args.submit:
             raise ConfigError("hpc-rl eval: --submit evaluates a run's checkpoints (not --job), and --dry-run goes "

@@ -60,8 +60,8 @@ def test_list_shows_registrations_and_what_does_not_answer(tmp_path, capsys):
     assert rows[42]["job_id"] == "?" and not rows[42]["rollout_job"]
     assert cli.main(["rollout", "list", str(run.root)]) == 0
     table = capsys.readouterr().out.splitlines()
-    assert table[0].split() == ["INDEX", "JOB", "NODE", "ADDRESS", "STATE", "VERSION", "TOKENS", "TOK/S"]
-    assert table[1].split()[:4] == ["0", "5", "(run)", "n2"]
+    assert table[0].split() == ["ROLE", "INDEX", "JOB", "NODE", "ADDRESS", "STATE", "VERSION", "TOKENS", "TOK/S"]
+    assert table[1].split()[:5] == ["rollout", "0", "5", "(run)", "n2"]
     assert cli.main(["rollout", "list", str(run.root), "--json"]) == 0
     assert [r["index"] for r in json.loads(capsys.readouterr().out)] == [0, 42]
 
@@ -91,7 +91,7 @@ def test_dry_run_prints_the_script_and_the_indexes(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "#SBATCH --partition=preempt" in out and "#SBATCH --nodes=2" in out
     assert "rendezvous/*.json" not in out  # a rollout job never clears the run's registrations
-    assert "2 node(s) x 1 server(s), indexes 1..2 of run toy-grpo-20260101-000000" in out
+    assert "2 node(s) x 1 rollout server(s), indexes 1..2 of run toy-grpo-20260101-000000" in out
     assert not (run.root / ROLLOUT_JOBS_JSON).exists()  # nothing recorded
 
 

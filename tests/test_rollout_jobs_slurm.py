@@ -195,3 +195,43 @@ def test_a_run_without_servers_of_its_own_waits_for_a_rollout_job_and_learns(slu
     assert re.search(r"rollout server\(s\) http://10\.77\.0\.\d+:\d+ answer; the run goes on", text), text
     wait_for(lambda: slurmq.job_state(rollout_job) in slurmq.TERMINAL, 120, "the rollout job to end with the run")
     assert slurmq.job_state(rollout_job) == "COMPLETED"
+
+
+def test_a_teacher_job_joins_a_running_distillation_and_leaves_it(slurm_cluster, tmp_path):
+    """`hpc-rl rollout add RUN --role teacher` mid-run: a second teacher server (index 1, on a node of its own job)
+    registers, the trainer's teacher client takes it in and sends it work; `scancel` of that job: the run goes on with
+    the run's own teacher and completes every step, each with the teacher's scores."""
+    steps = 120
+    p = hpc_rl("submit", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=0",
+               f"trainer.steps={steps}", "checkpoint.every=0", "eval.source=null", timeout=600)
+    run = submitted_run_dir(p.stdout)
+    job_id = read_json(run / "slurm.json")["job_id"]
+    token = (run / "token").read_text().strip()
+    wait_for(lambda: len(metrics_rows(run)) >= 3, 600, f"job {job_id} to train 3 steps\n{run_logs(run)}")
+    teacher_job = _add(run, "--role", "teacher")
+    log0 = run / "logs" / "trainer-0.log"
+    wait_for(lambda: re.search(r"teacher server 1 at \S+ answers; it joins", log0.read_text()), 300,
+             f"the trainer to take in teacher server 1\n{run_logs(run)}")
+    listed = [r for r in json.loads(hpc_rl("rollout", "list", str(run), "--json", timeout=120).stdout)
+              if r["role"] == "teacher"]
+    mine = {r["index"]: r for r in listed}
+    assert mine[1]["job_id"] == teacher_job and mine[1]["rollout_job"] and mine[0]["job_id"] == str(job_id), listed
+
+    def requests_served() -> int:
+        try:
+            return requests.get(mine[1]["url"] + "/metrics", headers={"Authorization": f"Bearer {token}"},
+                                timeout=2).json().get("requests", 0)
+        except (requests.RequestException, ValueError):
+            return 0
+
+    wait_for(lambda: requests_served() >= 3, 120, "teacher server 1 to answer the trainer's requests")
+    cancel = subprocess.run(["scancel", teacher_job], capture_output=True, text=True, timeout=60)
+    assert cancel.returncode == 0, cancel.stderr
+    final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900, f"job {job_id} to end", poll_s=3)
+    assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
+    rows = metrics_rows(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    # (the sampled reverse KL may dip below 0 once the student is close: it is an estimate)
+    assert all(r["teacher_seconds"] > 0 and abs(r["distill/reverse_kl"]) < 50 for r in rows), rows[-3:]
+    assert re.search(r"teacher server 1 at \S+ (left|failed)", log0.read_text()), log0.read_text()[-3000:]
+    assert "teacher server 1 serving" in (run / "logs" / "teacher-1.log").read_text()

@@ -52,9 +52,11 @@ PROBE_TIMEOUT_S = 3.0
 class RolloutJobTask:
     """The callable submitit runs on every node of a rollout job (picklable): this node's servers for the run."""
 
-    def __init__(self, run_dir: str | Path, first_index: int, servers_per_node: int, overrides: list[str]):
+    def __init__(self, run_dir: str | Path, first_index: int, servers_per_node: int, overrides: list[str],
+                 role: str = "rollout"):
         self.run_dir, self.first_index = str(run_dir), int(first_index)
         self.servers_per_node, self.overrides = int(servers_per_node), list(overrides)
+        self.role = role  # rollout, or a service's role (teacher, judge)
 
     def __call__(self) -> int:
         from ..launch import serve_servers
@@ -68,11 +70,11 @@ class RolloutJobTask:
             return 0
         prepare_node_env(cfg)
         first = self.first_index + env.node * self.servers_per_node
-        entries = [("rollout", k) for k in range(first, first + self.servers_per_node)]
+        entries = [(self.role, k) for k in range(first, first + self.servers_per_node)]
         rc = serve_servers(run, cfg, env.node, entries, self.overrides)
         if rc != 0:
             raise ClusterError(f"rollout job node {env.node} of run {run.name}: a server failed (exit code {rc}); "
-                               f"see RUN/logs/rollout-{first}.log")
+                               f"see RUN/logs/{self.role}-{first}.log")
         return rc
 
     def checkpoint(self, *args, **kwargs):
@@ -84,10 +86,10 @@ class RolloutJobTask:
         if run.done_file.exists() or not config.load(run.job_yaml, self.overrides).slurm.requeue:
             return None  # submitit then ends the job without requeueing it
         return submitit.helpers.DelayedSubmission(
-            RolloutJobTask(self.run_dir, self.first_index, self.servers_per_node, self.overrides))
+            RolloutJobTask(self.run_dir, self.first_index, self.servers_per_node, self.overrides, self.role))
 
     def __repr__(self) -> str:
-        return f"RolloutJobTask({self.run_dir!r}, first_index={self.first_index})"
+        return f"RolloutJobTask({self.run_dir!r}, first_index={self.first_index}, role={self.role!r})"
 
 
 # --------------------------------------------------------------------------- the run's record of its rollout jobs
@@ -105,10 +107,18 @@ def _jobs_locked(run: RunDir):
     return file_lock(run.root / (ROLLOUT_JOBS_JSON + ".lock"))
 
 
-def next_first_index(run: RunDir, cfg: JobConfig) -> int:
-    """The first index of a new rollout job: after the run's own servers and every earlier rollout job's."""
-    ends = [int(j["first_index"]) + int(j["servers"]) for j in read_jobs(run)]
-    return max([cfg.rollout_servers if cfg.rollout.servers_per_node else 0, *ends])
+def own_servers(cfg: JobConfig, role: str) -> int:
+    """How many servers of `role` the run's own job has."""
+    if role == "rollout":
+        return cfg.rollout_servers if cfg.rollout.servers_per_node else 0
+    return cfg.services.roles()[role].servers
+
+
+def next_first_index(run: RunDir, cfg: JobConfig, role: str = "rollout") -> int:
+    """The first index of a new rollout job of `role`: after the run's own servers of that role and every earlier
+    rollout job's."""
+    ends = [int(j["first_index"]) + int(j["servers"]) for j in read_jobs(run) if j.get("role", "rollout") == role]
+    return max([own_servers(cfg, role), *ends])
 
 
 def split_overrides(overrides: list[str]) -> list[str]:
@@ -155,24 +165,37 @@ def render_rollout_job(cfg: JobConfig, run_dir: str | Path, nodes: int, override
 
 
 def add_rollout_job(target: str, nodes: int = 1, servers_per_node: int | None = None,
-                    overrides: list[str] | None = None, dry_run: bool = False, runs_dir: str = "runs") -> int:
-    """`hpc-rl rollout add RUN`: submit a rollout job for the run (or print its sbatch script); prints its id."""
+                    overrides: list[str] | None = None, dry_run: bool = False, runs_dir: str = "runs",
+                    role: str = "rollout") -> int:
+    """`hpc-rl rollout add RUN [--role teacher|judge]`: submit a rollout job for the run (or print its sbatch
+    script); prints its id. A service's job (--role) serves services.ROLE's model, as the run's own servers do."""
     overrides = list(overrides or [])
     engine = split_overrides(overrides)
     run = find(target, runs_dir)
     cfg = config.load(run.job_yaml, overrides)
     if nodes < 1:
         raise ConfigError(f"--nodes: {nodes}; a rollout job has at least 1 node")
-    spn = servers_per_node if servers_per_node is not None else max(1, cfg.rollout.servers_per_node)
+    if role != "rollout":
+        svc = cfg.services.roles().get(role)
+        if svc is None or not svc.path:
+            raise ConfigError(f"--role {role}: run {run.name} has no services.{role} served by the run"
+                              f"{' (its judge is an endpoint: services.judge.url)' if svc is not None else ''}; "
+                              "a service's servers serve the job's services section")
+        if engine:
+            raise ConfigError(f"{engine[0].split('=', 1)[0]}: a {role} job serves services.{role} as the job sets "
+                              "it; give only slurm.* overrides")
+    default_spn = cfg.rollout.servers_per_node if role == "rollout" else cfg.services.roles()[role].servers_per_node
+    spn = servers_per_node if servers_per_node is not None else max(1, default_spn)
     if spn < 1:
         raise ConfigError(f"--servers-per-node: {spn}; give 1 or more")
     if run.done_file.exists() and not dry_run:
         raise ClusterError(f"run {run.name} has finished (RUN/rendezvous/done.json); a rollout job would have "
                            "nothing to serve")
+    what = "rollout" if role == "rollout" else role
     if dry_run:
-        first = next_first_index(run, cfg)
+        first = next_first_index(run, cfg, role)
         print(render_rollout_job(cfg, run.root, nodes, overrides), end="")
-        print(f"# dry run: nothing submitted; {nodes} node(s) x {spn} server(s), indexes {first}.."
+        print(f"# dry run: nothing submitted; {nodes} node(s) x {spn} {what} server(s), indexes {first}.."
               f"{first + nodes * spn - 1} of run {run.name}")
         if run.done_file.exists():
             print(f"# note: run {run.name} has finished (RUN/rendezvous/done.json): submitting this would be refused, "
@@ -180,17 +203,18 @@ def add_rollout_job(target: str, nodes: int = 1, servers_per_node: int | None = 
         return 0
     slurmq.need_sbatch("add rollout jobs", "--dry-run prints the script")
     with _jobs_locked(run):
-        first = next_first_index(run, cfg)
+        first = next_first_index(run, cfg, role)
         job = slurmq.submit(run.root / ROLLOUT_SUBMITIT_DIR, rollout_job_params(cfg, run.root, nodes, overrides),
-                            lambda ex: ex.submit(RolloutJobTask(run.root, first, spn, engine)), "the rollout job",
+                            lambda ex: ex.submit(RolloutJobTask(run.root, first, spn, engine, role)), "the rollout job",
                             "slurm.partition/account/qos/time/gpus_per_node against `sinfo`")
         jobs = read_jobs(run)
-        jobs.append({"job_id": str(job.job_id), "first_index": first, "servers": nodes * spn, "nodes": nodes,
-                     "servers_per_node": spn, "overrides": overrides, "submitted_at": time.time()})
+        jobs.append({"job_id": str(job.job_id), "role": role, "first_index": first, "servers": nodes * spn,
+                     "nodes": nodes, "servers_per_node": spn, "overrides": overrides, "submitted_at": time.time()})
         write_json_atomic(run.root / ROLLOUT_JOBS_JSON, {"jobs": jobs})
-    print(f"submitted rollout job {job.job_id} for run {run.name}: {nodes} node(s) x {spn} server(s), indexes "
+    print(f"submitted rollout job {job.job_id} for run {run.name}: {nodes} node(s) x {spn} {what} server(s), indexes "
           f"{first}..{first + nodes * spn - 1}")
-    print(f"they join at the trainer's next weight push; see them with: hpc-rl rollout list {run.name}")
+    print(f"they join at the trainer's next {'weight push' if role == 'rollout' else 'request to the ' + role}; see "
+          f"them with: hpc-rl rollout list {run.name}")
     return 0
 
 
@@ -216,13 +240,19 @@ def _job_state(job_id: str, cache: dict) -> str | None:
 
 
 def rollout_servers(run: RunDir) -> list[dict]:
-    """Every server of the run, registered or still to come: index, job, node, url, state, version, tokens."""
+    """Every server of the run, registered or still to come: role, index, job, node, url, state, version, tokens."""
     cfg = config.load(run.job_yaml)
+    roles = ["rollout"] + [r for r, svc in cfg.services.roles().items() if svc.path]
+    return [dict(row, role=role) for role in roles for row in _servers_of(run, cfg, role)]
+
+
+def _servers_of(run: RunDir, cfg: JobConfig, role: str) -> list[dict]:
     own_job = str((read_json(run.root / SLURM_JSON) or {}).get("job_id") or "local")
-    jobs = read_jobs(run)
+    jobs = [j for j in read_jobs(run) if j.get("role", "rollout") == role]
     job_of = {k: j for j in jobs for k in range(int(j["first_index"]), int(j["first_index"]) + int(j["servers"]))}
+    own_count = own_servers(cfg, role)
     regs = {}
-    for f in sorted(run.rendezvous.glob("rollout-*.json")) if run.rendezvous.is_dir() else []:
+    for f in sorted(run.rendezvous.glob(f"{role}-*.json")) if run.rendezvous.is_dir() else []:
         info = read_json(f)
         if registration_problem(info, f) is None:
             regs[int(info.get("index", f.stem.split("-")[-1]))] = info
@@ -233,7 +263,7 @@ def rollout_servers(run: RunDir) -> list[dict]:
     rows = []
     for idx, info in regs.items():
         health, metrics, err = probes[idx]
-        own = cfg.rollout.servers_per_node and idx < cfg.rollout_servers
+        own = idx < own_count
         # A registration of neither the run's job nor one of its rollout jobs: not written by hpc-rl for this run.
         job = info.get("slurm_job_id") or (job_of[idx]["job_id"] if idx in job_of else own_job if own else "?")
         rows.append({"index": idx, "job_id": str(job), "rollout_job": idx in job_of, "node": info.get("hostname"),
@@ -255,9 +285,9 @@ def rollout_servers(run: RunDir) -> list[dict]:
             rows.append({"index": idx, "job_id": str(j["job_id"]), "rollout_job": True,
                          "node": slurmq.job_nodes(str(j["job_id"])) if what == "starting" else None, "url": None,
                          "state": what, "policy_version": None, "tokens": None, "tokens_per_s": None})
-    if cfg.rollout.servers_per_node:
+    if own_count:
         missing = "gone (the run finished)" if run.done_file.exists() else "not registered"
-        for idx in range(cfg.rollout_servers):
+        for idx in range(own_count):
             if idx not in regs:
                 rows.append({"index": idx, "job_id": own_job, "rollout_job": False, "node": None, "url": None,
                              "state": missing, "policy_version": None, "tokens": None, "tokens_per_s": None})
@@ -274,10 +304,10 @@ def list_rollout_servers(target: str, as_json: bool = False, runs_dir: str = "ru
     if not rows:
         print(f"run {run.name} has no rollout servers (add some: hpc-rl rollout add {run.name})")
         return 0
-    table = [["INDEX", "JOB", "NODE", "ADDRESS", "STATE", "VERSION", "TOKENS", "TOK/S"]]
+    table = [["ROLE", "INDEX", "JOB", "NODE", "ADDRESS", "STATE", "VERSION", "TOKENS", "TOK/S"]]
     for r in rows:
         job = r["job_id"] + ("" if r["rollout_job"] or r["job_id"] == "?" else " (run)")
-        table.append([str(r["index"]), job, r["node"] or "-",
+        table.append([r["role"], str(r["index"]), job, r["node"] or "-",
                       r["url"] or "-", r["state"], "-" if r["policy_version"] is None else str(r["policy_version"]),
                       "-" if r["tokens"] is None else str(r["tokens"]),
                       "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"])
@@ -342,14 +372,14 @@ def remove_rollout_job(target: str, job_id: str, runs_dir: str = "runs") -> int:
 
 
 def rollout_cli(args: list[str], nodes: int = 1, servers_per_node: int | None = None, dry_run: bool = False,
-                as_json: bool = False, runs_dir: str = "runs") -> int:
+                as_json: bool = False, runs_dir: str = "runs", role: str = "rollout") -> int:
     """Dispatch `hpc-rl rollout add|list|remove ...`."""
     action, rest = (args[0], args[1:]) if args else ("", [])
     if action == "add" and rest:
-        return add_rollout_job(rest[0], nodes, servers_per_node, rest[1:], dry_run, runs_dir)
+        return add_rollout_job(rest[0], nodes, servers_per_node, rest[1:], dry_run, runs_dir, role)
     if action == "list" and len(rest) == 1:
         return list_rollout_servers(rest[0], as_json, runs_dir)
     if action == "remove" and len(rest) == 2:
         return remove_rollout_job(rest[0], rest[1], runs_dir)
-    raise ConfigError("hpc-rl rollout: use `rollout add RUN [--nodes N] [--servers-per-node S] [rollout.*=V "
+    raise ConfigError("hpc-rl rollout: use `rollout add RUN [--role teacher|judge] [--nodes N] [--servers-per-node S] [rollout.*=V "
                       "slurm.*=V]`, `rollout list RUN [--json]` or `rollout remove RUN JOBID`")

@@ -60,6 +60,7 @@ class BatchMaker:
     def _teacher_logprobs(self, b: RolloutBatch) -> None:
         """The teacher's log-prob of every response token (observations included; the loss masks leave them out)."""
         t0 = time.time()
+        self.teacher.rejoin()  # teacher servers that joined (a rollout job's) or came back since the last step
         b.teacher_logprobs = self.teacher.logprobs([p + r for p, r in zip(b.prompts, b.responses)],
                                                    [len(p) for p in b.prompts])
         for i, (lp, r) in enumerate(zip(b.teacher_logprobs, b.responses)):

@@ -105,6 +105,7 @@ class Judge:
         else:
             texts = prompts
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+        self.client.rejoin()  # judge servers that joined (a rollout job's) or came back since the last step
         params = SamplingParams(n=1, max_new_tokens=j.max_new_tokens, temperature=j.temperature,
                                 stop_token_ids=[tok.eos_token_id], seed=self.cfg.seed * 1_000_003 + step)
         res = self.client.generate(ids, params, step=step)

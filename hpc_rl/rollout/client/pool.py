@@ -279,8 +279,9 @@ class ServerPool:
                 s.reprobe_wait = min(REPROBE_S[1], max(REPROBE_S[0], 2 * s.reprobe_wait))
                 s.reprobe_at = now + s.reprobe_wait
                 continue
-            log.info("%s server %d at %s answers; it %s with this weight push", self.kind, s.index, s.url,
-                     "rejoins" if s.verified else "joins")
+            log.info("%s server %d at %s answers; it %s%s", self.kind, s.index, s.url,
+                     "rejoins" if s.verified else "joins", " with this weight push" if self.pushed_version is not None
+                     else "")
             self.answered(s)
 
     def mark_dead(self, srv: Server, cause: str, failed: bool = True) -> None:
