@@ -143,3 +143,16 @@ def test_a_student_distilled_from_the_sft_teacher_learns_faster_than_grpo(tmp_pa
     print(f"toy distillation: {len(rewards)} steps to a last-5 mean reward of 0.8 (reverse KL {kls[0]:.2f} -> "
           f"{kls[-1]:.2f}); GRPO from the same student: {len(grpo)} steps")
     assert len(rewards) < len(grpo), (rewards, grpo)
+
+
+@pytest.mark.slow
+def test_distillation_with_asynchronous_rollouts(tmp_path):
+    """rollout.async_steps 1: the batch generated a step ahead (by the previous policy version) is scored by the
+    teacher when it is generated; every step has its teacher scores and a staleness of at most one version."""
+    p = hpc_rl("run", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path}", "rollout.async_steps=1", "trainer.steps=4",
+               "eval.source=null", "checkpoint.every=0", cwd=REPO)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (run,) = list(tmp_path.iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["teacher_seconds"] > 0 and r["policy_lag_max"] <= 1 for r in rows) and rows[-1]["policy_lag_max"] == 1

@@ -61,31 +61,31 @@ def copy_pair_corpus() -> list[str]:
 
 # copy_pair_judgments: what the toy judge (jobs/toy-judge-sft-cpu.yaml) learns to say of a copy_pair answer. The
 # judge's template (jobs/toy-judge-cpu.yaml) writes the reference and the first two characters the policy wrote,
-# `A B = X Y ?`, as a judge prompt with the answer extracted and the reference beside it does.
+# `A B = X Y ?`, as a judge prompt with the answer extracted and the reference beside it does; the judge answers how
+# many of the two are right (0, 1 or 2: the copy_pair rule's score times 2).
 _ANSWER_CHARS = [str(d) for d in range(10)] * 4 + [":", "c", "o", "p", "y"]
 
 
 def copy_pair_judgment_rows(n: int, seed: int) -> list[dict]:
-    """`n` synthetic judgments {prompt: `A B = X Y ?`, completion: ` yes` or ` no`}: yes exactly when X Y is A B (the
-    copy_pair rule's 1.0); X and Y are mostly digits (one, both or neither right), sometimes the other characters a
-    copy_pair policy writes."""
+    """`n` synthetic judgments {prompt: `A B = X Y ?`, completion: ` 0`, ` 1` or ` 2` (the right ones among X, Y)}; X
+    and Y are mostly digits (both, one or neither right), sometimes the other characters a copy_pair policy writes,
+    and now and then missing (a policy that wrote one character or none)."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         a, b = str(rng.randrange(10)), str(rng.randrange(10))
         kind = rng.random()
-        # A third right, a quarter each with one digit wrong (the near misses a policy learns to exploit when the
-        # judge misses them), the rest both wrong.
         x = a if kind < 0.58 else rng.choice([c for c in _ANSWER_CHARS if c != a])
-        y = b if kind < 0.33 or kind >= 0.58 and kind < 0.83 else rng.choice([c for c in _ANSWER_CHARS if c != b])
-        answer = f"{x} {y}" if rng.random() < 0.95 else rng.choice(["", x])  # a policy that wrote one or no character
-        rows.append({"id": i, "prompt": f"{a} {b} = {answer} ?", "completion": " yes" if answer == f"{a} {b}" else " no"})
+        y = b if kind < 0.33 or 0.58 <= kind < 0.83 else rng.choice([c for c in _ANSWER_CHARS if c != b])
+        wrote = [x, y] if rng.random() < 0.95 else [x][:rng.randrange(2)]
+        right = sum(w == r for w, r in zip(wrote, (a, b)))
+        rows.append({"id": i, "prompt": f"{a} {b} = {' '.join(wrote)} ?", "completion": f" {right}"})
     return rows
 
 
 def copy_pair_judgment_corpus() -> list[str]:
-    return [f"{a} {b} = {a} {b} ? yes" for a in range(10) for b in range(10)] + \
-        [f"{a} {b} = {c} {c} ? no" for a in range(10) for b in range(10) for c in ":copy"]
+    return [f"{a} {b} = {a} {b} ? {k}" for a in range(10) for b in range(10) for k in range(3)] + \
+        [f"{a} {b} = {c} {c} ? 0" for a in range(10) for b in range(10) for c in ":copy"]
 
 
 def lookup_rows(n: int, seed: int, split: str = "train") -> list[dict]:
