@@ -21,7 +21,7 @@ import traceback
 from . import checkpoints, preemption
 from .config import JobConfig
 from .errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingError
-from .metrics import format_step_line, read_metrics
+from .metrics import progress_line, read_metrics
 from .run_summary import summary_lines
 from .rundir import RunDir
 from .stop_at import StopAt
@@ -203,14 +203,8 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                             "the step's end)", learner.step, m["skipped_updates"], learner.skipped_in_a_row)
             orch.record(learner.step, m, last=last)
             if learner.step % cfg.logging.every == 0 or last:
-                elapsed = time.monotonic() - t_fit
-                eta = elapsed / (learner.step - first_step) * (total - learner.step)
-                log.info(format_step_line(learner.step, total, m, elapsed, eta))
-        if learner.skipped_in_a_row >= cfg.trainer.max_skipped_in_a_row:
-            raise TrainingError(f"{learner.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite "
-                                f"loss or gradient (the last at step {learner.step}; trainer.max_skipped_in_a_row "
-                                f"{cfg.trainer.max_skipped_in_a_row}); lower trainer.lr, check the reward scale, or "
-                                "use float32/bfloat16 instead of float16")
+                log.info(progress_line(learner.step, total, m, t_fit, first_step))
+        learner.stop_if_diverging()
         every = cfg.checkpoint.every
         saved = bool(every) and (learner.step % every == 0 or last)
         # keep_best: every evaluated step has a checkpoint that can become the best one.

@@ -83,6 +83,13 @@ def format_step_line(step: int, total: int, m: dict, elapsed: float | None = Non
     return " | ".join(parts)
 
 
+def progress_line(step: int, total: int, m: dict, t_start: float, first_step: int) -> str:
+    """The step line of `step` with the time since `t_start` (time.monotonic() when this process's first step,
+    `first_step`, began) and the ETA at this session's mean step time."""
+    elapsed = time.monotonic() - t_start
+    return format_step_line(step, total, m, elapsed, elapsed / (step - first_step) * (total - step))
+
+
 class MetricsWriter:
     """Append-only metrics.jsonl (a resumed run drops rows past its checkpoint step) + TensorBoard + trackers."""
 

@@ -17,9 +17,9 @@ import time
 from . import checkpoints
 from .config import JobConfig
 from .data.sampler import indices_for_step
-from .data.sft import SFTDataset
+from .data.sft import SFTDataset, SFTExample
 from .errors import TrainingError
-from .metrics import MetricsWriter, format_step_line, read_metrics
+from .metrics import MetricsWriter, progress_line, read_metrics
 from .run_summary import summary_lines
 from .rundir import RunDir, write_json_atomic
 from .stop_at import StopAt
@@ -81,7 +81,7 @@ def held_out_loss(cfg: JobConfig, learner, held_out: SFTDataset) -> dict:
     mine, pad = held_out_rows(len(subset), dist.world_size, dist.rank)
     examples = [held_out.examples[subset[i]] for i in mine]
     first = held_out.examples[0]
-    examples += [type(first)(first.prompt, first.target, [0] * len(first.mask))] * pad  # trains and counts nothing
+    examples += [SFTExample(first.prompt, first.target, [0] * len(first.mask))] * pad  # counts nothing
     loss, tokens = nll(learner, pack_examples(examples, learner.tokenizer.pad_token_id).to(dist.device))
     return {"eval/loss": loss, "eval/tokens": tokens}
 
@@ -142,14 +142,8 @@ def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
                                 learner.step, m["skipped_updates"])
                 writer.write(learner.step, m)
                 if learner.step % cfg.logging.every == 0 or last:
-                    elapsed = time.monotonic() - t_fit
-                    eta = elapsed / (learner.step - first_step) * (total - learner.step)
-                    log.info(format_step_line(learner.step, total, m, elapsed, eta))
-            if learner.skipped_in_a_row >= cfg.trainer.max_skipped_in_a_row:
-                raise TrainingError(f"{learner.skipped_in_a_row} optimizer steps in a row were skipped for a "
-                                    f"non-finite loss or gradient (the last at step {learner.step}; "
-                                    f"trainer.max_skipped_in_a_row {cfg.trainer.max_skipped_in_a_row}); lower "
-                                    "trainer.lr or use float32/bfloat16 instead of float16")
+                    log.info(progress_line(learner.step, total, m, t_fit, first_step))
+            learner.stop_if_diverging()
             every = cfg.checkpoint.every
             saved = bool(every) and (learner.step % every == 0 or last)
             if saved:

@@ -24,6 +24,7 @@ from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.utils import masked_mean
 from ..config import JobConfig
+from ..errors import TrainingError
 from ..models.loading import load_tokenizer
 from ..orchestrator.batch import RolloutBatch
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
@@ -323,6 +324,16 @@ class Trainer:
         raise PolicyNotFinite(f"step {step + 1}: the policy is not finite after the update ({why}; lr "
                               f"{self.cfg.trainer.lr:.3g}, grad_norm {gn:.3g}, {int(stats['skipped_updates'])} "
                               "optimizer step(s) skipped)")
+
+    def stop_if_diverging(self) -> None:
+        """TrainingError (on every rank alike) once trainer.max_skipped_in_a_row optimizer steps in a row were skipped
+        for a non-finite loss or gradient."""
+        most = self.cfg.trainer.max_skipped_in_a_row
+        if self.skipped_in_a_row >= most:
+            raise TrainingError(f"{self.skipped_in_a_row} optimizer steps in a row were skipped for a non-finite loss "
+                                f"or gradient (the last at step {self.step}; trainer.max_skipped_in_a_row {most}); "
+                                f"lower trainer.lr{'' if self.cfg.algorithm.supervised else ', check the reward scale,'}"
+                                " or use float32/bfloat16 instead of float16")
 
     def step_stats(self, shard: Shard, fwd: Forwards, stats: dict) -> tuple[dict, float]:
         """The ranks' statistics averaged (maxima stay maxima) and the KL controller updated: (stats, mean KL);
