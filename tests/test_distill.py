@@ -156,3 +156,16 @@ def test_distillation_with_asynchronous_rollouts(tmp_path):
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(r["teacher_seconds"] > 0 and r["policy_lag_max"] <= 1 for r in rows) and rows[-1]["policy_lag_max"] == 1
+
+
+def test_teacher_nodes_follow_the_rollout_and_reward_nodes():
+    from hpc_rl.cluster.layout import describe, role_of, total_nodes
+
+    cfg = config.load(REPO / "jobs" / "toy-distill-cpu.yaml", ["trainer.nodes=2", "rollout.nodes=1",
+                                                               "services.teacher.nodes=2",
+                                                               "services.teacher.servers_per_node=2"])
+    assert total_nodes(cfg) == 5
+    assert [(n.index, n.role, n.role_index, n.procs) for n in cfg.node_roles()] == [
+        (0, "trainer", 0, 2), (1, "trainer", 1, 2), (2, "rollout", 0, 1), (3, "teacher", 0, 2), (4, "teacher", 1, 2)]
+    assert [role_of(cfg, i) for i in range(5)] == ["trainer", "trainer", "rollout", "teacher", "teacher"]
+    assert describe(cfg)[4] == "node 4: teacher 1 (2 teacher server(s))"

@@ -106,9 +106,10 @@ class JobConfig:
         t = self.trainer.nodes if trainer_nodes is None else trainer_nodes
         out = [NodeRole(i, "trainer", i, self.trainer.procs_per_node) for i in range(t)]
         out += [NodeRole(t + k, "rollout", k, self.rollout.servers_per_node) for k in range(self.rollout.nodes)]
-        out += [NodeRole(len(out), "reward", k, 1) for k in range(self.reward.nodes)]
+        out += [NodeRole(t + self.rollout.nodes + k, "reward", k, 1) for k in range(self.reward.nodes)]
         for role, svc in self.services.roles().items():
-            out += [NodeRole(len(out), role, k, svc.servers_per_node) for k in range(svc.nodes)]
+            base = len(out)  # the role's first node: after every node laid out before it
+            out += [NodeRole(base + k, role, k, svc.servers_per_node) for k in range(svc.nodes)]
         return out
 
     @property
