@@ -419,23 +419,22 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         engine = None
         service = RewardService(str(cfg.reward.model.path))
         register_score_route(service, cfg, device, own_device=True)
-    elif role in cfg.services.roles():  # a served model that is not the policy: its own folder, no weights pushed
-        served = service_job(cfg, role)
+    else:
+        # A service (teacher, judge) serves its own folder with its own engine settings and takes no weights.
+        service_role = role in cfg.services.roles()
+        served = service_job(cfg, role) if service_role else cfg
         engine = make_engine(served, device)
         service = RolloutService(engine, run, str(served.model.path), protocol.RequestLimits.of(served.rollout),
                                  _model_vocab(str(served.model.path)), served.model.trust_remote_code,
                                  served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout))
-        service.frozen_role = role
-    else:
-        engine = make_engine(cfg, device)
-        service = RolloutService(engine, run, str(cfg.model.path), protocol.RequestLimits.of(cfg.rollout),
-                                 _model_vocab(str(cfg.model.path)), cfg.model.trust_remote_code,
-                                 cfg.rollout.max_requests_in_flight, openai_api.Defaults.of(cfg.rollout))
-        register_server_routes(service)  # /collective/*: the weight-sync group's server side
-        if cfg.reward.on_rollout_servers:
-            from ...rewards.serving import register_score_route
+        if service_role:
+            service.frozen_role = role
+        else:
+            register_server_routes(service)  # /collective/*: the weight-sync group's server side
+            if cfg.reward.on_rollout_servers:
+                from ...rewards.serving import register_score_route
 
-            register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
+                register_score_route(service, cfg, device)  # /v1/score: the reward model, on its own GPU
     httpd = make_http_server(service, token, cfg.rollout.host, cfg.rollout.port)
     port = httpd.server_address[1]
     # The engine's and libraries' objects live as long as the server: out of the collector's way (a full collection
