@@ -115,23 +115,42 @@ def test_a_judge_at_a_url_checks_its_key_and_falls_back_on_garbage(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_a_run_rewarded_by_its_own_judge_server(tmp_path):
-    """jobs/toy-judge-cpu.yaml for 3 steps with a judge of 20 SFT steps (its accuracy is not what this checks): the
-    judge runs as a server of the run's own, every sample's reward is the judge's parsed verdict, the rule is logged
-    as the monitor, the judge's statistics are in every step and it never takes weights."""
+def test_a_policy_rewarded_only_by_its_own_judge_learns_the_task(tmp_path):
+    """jobs/toy-judge-cpu.yaml as users run it: its judge is built by SFT (jobs/toy-judge-sft-cpu.yaml) and served by
+    the run; GRPO on the judge's verdicts alone brings the rule that is never trained on (the monitor) to the toys'
+    criterion (last 5 steps >= 0.7). The judge's statistics are in every step, it never takes weights, the evaluation
+    files keep its answers, and `hpc-rl eval` of the last checkpoint starts the judge beside the policy."""
     import json
 
-    p = hpc_rl("run", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path}", "trainer.steps=3", "checkpoint.every=0",
-               "services.judge.path=sft:jobs/toy-judge-sft-cpu.yaml@20", cwd=REPO, env={"HPC_RL_DEBUG": "1"})
+    p = hpc_rl("run", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path}", "trainer.stop_at={monitor_mean: 0.7}",
+               "eval.every=10", cwd=REPO, env={"HPC_RL_DEBUG": "1"}, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (run,) = list(tmp_path.iterdir())
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    monitor = [r["monitor_mean"] for r in rows]
+    assert sum(monitor[-5:]) / 5 >= 0.7 and len(rows) < 60, monitor
+    assert monitor[0] < 0.4, monitor  # the student starts far from it
     for r in rows:
-        assert 0 <= r["reward_mean"] <= 1 and "monitor_mean" in r and r["judge/s"] > 0, r
-        assert 0 <= r["judge/parse_failed_frac"] <= 1 and r["judge_seconds"] > 0
+        assert 0 <= r["reward_mean"] <= 1 and r["judge/s"] > 0 and r["judge_seconds"] > 0, r
+        assert 0 <= r["judge/parse_failed_frac"] <= 1
+    print(f"toy judge: monitor {monitor[0]:.2f} -> {sum(monitor[-5:]) / 5:.2f} (last 5) in {len(rows)} steps; judged "
+          f"reward {rows[0]['reward_mean']:.2f} -> {rows[-1]['reward_mean']:.2f}")
     log = (run / "logs" / "trainer-0.log").read_text()
     assert "the judge's answer to sample 0: " in log and "({'judge': " in log, log[-2000:]
     judge_log = (run / "logs" / "judge-0.log").read_text()
     assert "judge server 0 serving" in judge_log and "weights: loaded" not in judge_log
     assert "1 judge server(s)" in p.stdout + p.stderr
+
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals][:2] == [0, 10] and all("eval/monitor_mean" in e for e in evals), evals
+    samples = [json.loads(line) for line in (run / "eval" / "step_10.jsonl").read_text().splitlines()]
+    assert len(samples) == 20 and all({"judge_answer", "judge_score", "monitor"} <= set(x) for x in samples)
+    assert all(x["score"] == x["judge_score"] for x in samples)
+
+    p = hpc_rl("eval", str(run), cwd=REPO, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    (offline,) = list((run / "eval").glob("step_*.offline.jsonl"))
+    samples = [json.loads(line) for line in offline.read_text().splitlines()]
+    assert len(samples) == 20 and all(isinstance(x["judge_answer"], str) for x in samples)
+    row = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()][-1]
+    assert row["source"] == "offline" and row["eval/judge/s"] > 0 and row["eval/monitor_mean"] >= 0.5, row

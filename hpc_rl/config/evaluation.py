@@ -94,9 +94,9 @@ def check(cfg: JobConfig, need) -> None:
          f"eval.max_new_tokens ({e.max_new_tokens}) does not fit rollout.max_model_len - data.max_prompt_tokens "
          f"({cfg.rollout.max_model_len - cfg.data.max_prompt_tokens})")
     need(e.max_prompts is None or e.max_prompts >= 1, f"eval.max_prompts must be >= 1 or null (all); got {e.max_prompts}")
-    need(e.reward is not None or cfg.reward.function is not None or cfg.rollout.env is not None
-         or cfg.rollout.agent is not None,
-         "eval.reward: this job has no reward.function to score held-out samples with; name a scoring function "
+    need(e.reward is not None or cfg.reward.function is not None or cfg.reward.judge is not None
+         or cfg.rollout.env is not None or cfg.rollout.agent is not None,
+         "eval.reward: this job has no reward.function or reward.judge to score held-out samples with; name a scoring function "
          "(pkg.module:function, e.g. a strict exact match)")
     need(e.reward is not None or not e.reward_kwargs,
          "eval.reward_kwargs are the arguments of eval.reward, which is not set; set eval.reward or remove them")

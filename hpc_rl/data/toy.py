@@ -60,32 +60,40 @@ def copy_pair_corpus() -> list[str]:
 
 
 # copy_pair_judgments: what the toy judge (jobs/toy-judge-sft-cpu.yaml) learns to say of a copy_pair answer. The
-# judge's template (jobs/toy-judge-cpu.yaml) writes the reference and the first two characters the policy wrote,
-# `A B = X Y ?`, as a judge prompt with the answer extracted and the reference beside it does; the judge answers how
-# many of the two are right (0, 1 or 2: the copy_pair rule's score times 2).
-_ANSWER_CHARS = [str(d) for d in range(10)] * 4 + [":", "c", "o", "p", "y"]
+# judge's template (jobs/toy-judge-cpu.yaml) sets each reference digit beside the answer's character in that place,
+# `AX,BY ?` (as a judge prompt for math sets the extracted answer beside the reference), and the judge answers how many
+# of the two are right (0, 1 or 2: the copy_pair rule's score times 2). The judge's tokenizer (model.tiny.vocab_size
+# 128) has one token per digit pair `AX`, so a verdict is a property of one token a 2-layer model learns in a hundred
+# steps; with each character its own token (`A B = X Y ?`) the model must learn token equality, which 1,600 steps did
+# not teach it, and a policy rewarded by that judge was paid for its mistakes.
+_ANSWER_CHARS = [str(d) for d in range(10)] * 3 + [":", "c", "o", "p", "y"]
 
 
 def copy_pair_judgment_rows(n: int, seed: int) -> list[dict]:
-    """`n` synthetic judgments {prompt: `A B = X Y ?`, completion: ` 0`, ` 1` or ` 2` (the right ones among X, Y)}; X
-    and Y are mostly digits (both, one or neither right), sometimes the other characters a copy_pair policy writes,
-    and now and then missing (a policy that wrote one character or none)."""
+    """`n` synthetic judgments {prompt: `AX,BY ?`, completion: ` 0`, ` 1` or ` 2` (the right ones among X, Y)}: each of
+    X and Y is right half the time, otherwise another character a copy_pair policy writes (mostly a digit), and now
+    and then missing (a policy that wrote one character or none)."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        a, b = str(rng.randrange(10)), str(rng.randrange(10))
-        kind = rng.random()
-        x = a if kind < 0.58 else rng.choice([c for c in _ANSWER_CHARS if c != a])
-        y = b if kind < 0.33 or 0.58 <= kind < 0.83 else rng.choice([c for c in _ANSWER_CHARS if c != b])
-        wrote = [x, y] if rng.random() < 0.95 else [x][:rng.randrange(2)]
-        right = sum(w == r for w, r in zip(wrote, (a, b)))
-        rows.append({"id": i, "prompt": f"{a} {b} = {' '.join(wrote)} ?", "completion": f" {right}"})
+        want = str(rng.randrange(10)), str(rng.randrange(10))
+        wrote = [w if rng.random() < 0.5 else rng.choice([c for c in _ANSWER_CHARS if c != w]) for w in want]
+        if rng.random() < 0.05:
+            wrote = wrote[:rng.randrange(2)]
+        right = sum(w == r for w, r in zip(wrote, want))
+        rows.append({"id": i, "prompt": copy_pair_judge_prompt(want, wrote), "completion": f" {right}"})
     return rows
 
 
+def copy_pair_judge_prompt(want, wrote) -> str:
+    """The toy judge's question: each reference digit followed by the answer's character in its place."""
+    return ",".join(w + x for w, x in zip(want, list(wrote) + ["", ""])) + " ?"
+
+
 def copy_pair_judgment_corpus() -> list[str]:
-    return [f"{a} {b} = {a} {b} ? {k}" for a in range(10) for b in range(10) for k in range(3)] + \
-        [f"{a} {b} = {c} {c} ? 0" for a in range(10) for b in range(10) for c in ":copy"]
+    # Every digit pair once per place, so that BPE makes each a token of its own.
+    return [f"{a}{x},{b}{y} ? {int(a == x) + int(b == y)}" for a in range(10) for x in range(10)
+            for b, y in ((x, a), (a, x))] + [f"{a}{c},{a}{c} ? 0" for a in range(10) for c in ":copy"]
 
 
 def lookup_rows(n: int, seed: int, split: str = "train") -> list[dict]:

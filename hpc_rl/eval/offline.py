@@ -26,6 +26,7 @@ from ..launch import start_rollout_server, stop_processes
 from ..logs import setup_logging
 from ..models.loading import load_tokenizer
 from ..orchestrator.evaluation import EvalLog, Evaluator
+from ..orchestrator.judge import Judge
 from ..orchestrator.sampling import Sampler
 from ..rewards.base import load_reward_fn
 from ..rollout.client.rollout_client import RolloutClient
@@ -89,8 +90,8 @@ def model_folder(run: RunDir, cfg: JobConfig, step: int, scratch: Path) -> str:
 
 
 def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, source: str = "offline") -> dict:
-    """Start one rollout server on `model_path` (its own scratch run dir under RUN/eval/), evaluate it as `step`,
-    stop it; the row appended to RUN/eval.jsonl."""
+    """Start one rollout server on `model_path` (its own scratch run dir under RUN/eval/) and, for a job scored by a
+    served judge, one judge server; evaluate it as `step`, stop them; the row appended to RUN/eval.jsonl."""
 
     scratch = RunDir(run.root / "eval" / f"server-step_{step}-{os.getpid()}")
     shutil.rmtree(scratch.root, ignore_errors=True)
@@ -101,25 +102,39 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
     write_new_token(scratch)
     scratch.ensure_layout()
     scratch.job_yaml.write_text(config.dump(served))
-    proc = start_rollout_server(scratch, served, 0, served.rollout.local_devices or None,
-                                list(served.rollout.local_cpus) or None)
-    client = None
+    procs = [start_rollout_server(scratch, served, 0, served.rollout.local_devices or None,
+                                  list(served.rollout.local_cpus) or None)]
+    judged = served.reward.judge is not None and not served.eval.reward  # the samples are scored by the judge
+    svc = served.services.judge
+    if judged and not svc.url:  # one judge server of the job's judge model beside the policy's
+        svc.nodes, svc.servers_per_node = 0, 1
+        procs.append(start_rollout_server(scratch, served, 0, svc.local_devices[:svc.tensor_parallel] or None,
+                                          kind="judge"))
+    client = judge_client = None
     try:
         client = RolloutClient.from_run_dir(scratch, served)
         client.wait_ready(1, served.rollout.startup_timeout_s)
         tokenizer = load_tokenizer(model_path, cfg.model.trust_remote_code)
-        evaluator = Evaluator(served, Sampler(served, tokenizer, client, hide=[run.root, run.root.parent]), run,
-                              source=source)
+        judge = None
+        if judged:
+            if not svc.url:
+                judge_client = RolloutClient.from_run_dir(scratch, served, kind="judge")
+                judge_client.wait_ready(1, served.rollout.startup_timeout_s)
+            judge = Judge(served, judge_client,
+                          None if svc.url else load_tokenizer(svc.path, key="services.judge.path"))
+        sampler = Sampler(served, tokenizer, client, hide=[run.root, run.root.parent], judge=judge)
+        evaluator = Evaluator(served, sampler, run, source=source)
         evaluator.log = EvalLog(run)
         row = evaluator.evaluate(step, step, served_version=0)
     except BaseException:
         log.error("the evaluation server's log: %s", scratch.logs / "rollout-0.log")
         raise
     finally:
-        if client is not None:
-            client.close()
+        for c in (client, judge_client):
+            if c is not None:
+                c.close()
         write_json_atomic(scratch.done_file, {"time": time.time()})
-        stop_processes([proc])
+        stop_processes(procs)
     shutil.rmtree(scratch.root, ignore_errors=True)
     return row
 

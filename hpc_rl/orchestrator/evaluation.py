@@ -6,7 +6,9 @@ and one row of RUN/eval.jsonl (the metrics of eval/pass_at_k.py).
 It never runs inside the trainer's step: the rollout pipeline calls it between weight pushes (pipeline.py), so the
 version it evaluates is the one the servers hold, and in async mode the trainer does not wait for it.
 
-A sample's score is eval.reward's (else reward.function's) plus, for multi-turn jobs, its environment's reward.
+A sample's score is eval.reward's (else reward.function's and reward.judge's) plus, for multi-turn jobs, its
+environment's reward; without eval.reward, reward.monitor is scored too (eval/monitor_mean), and each sample's row
+keeps the judge's answer and verdict.
 """
 
 from __future__ import annotations
@@ -86,10 +88,8 @@ class Evaluator:
         if e.reward:
             rw = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))
             self.scoring = Scoring(load_reward_fn(e.reward, "eval.reward"), rw, "eval.reward")
-        elif cfg.reward.function:
-            self.scoring = Scoring(load_reward_fn(cfg.reward.function), cfg.reward)
-        else:  # a multi-turn job rewarded by its environment alone
-            self.scoring = Scoring()
+        else:  # training's function and judge (a multi-turn job's environment scores anyway), and its monitor
+            self.scoring = dataclasses.replace(sampler.training_scoring(), reward_model=False, overlong=False)
         self.log = None  # the EvalLog rows are appended to (set by the owner: the trainer, or `hpc-rl eval`)
 
     @property
@@ -111,8 +111,8 @@ class Evaluator:
             raise RolloutError(f"evaluation of step {step}: the servers answered with policy version(s) "
                                f"{sorted(set(b.versions))}, not {served_version}; a server missed a weight update")
         b = b.episodes()  # an agent's episode of several conversations counts once: its last
-        scores = np.sum([np.asarray(v, dtype=np.float64) for name, v in sorted(b.reward_parts.items())], axis=0)
-        scores = scores.tolist()
+        scored = {name: v for name, v in b.reward_parts.items() if name != "monitor"}
+        scores = np.sum([np.asarray(v, dtype=np.float64) for name, v in sorted(scored.items())], axis=0).tolist()
         per_prompt = [scores[j:j + k] for j in range(0, len(scores), k)]
         metrics = eval_metrics(per_prompt, e.pass_threshold)
         metrics.update({"eval/response_tokens_mean": float(np.mean([sum(m) for m in b.loss_masks])),
@@ -120,6 +120,14 @@ class Evaluator:
                         "eval/seconds": time.time() - t0, "eval/prompts": float(len(self.indices))})
         samples = [{"prompt_id": r.get("id"), "prompt": p, "completion": c, "score": s, "truncated": tr}
                    for p, c, r, s, tr in zip(sampled.prompt_texts, sampled.texts, sampled.rows, scores, b.truncated)]
+        if "monitor" in b.reward_parts:
+            metrics["eval/monitor_mean"] = float(np.mean(b.reward_parts["monitor"]))
+            for x, m in zip(samples, b.reward_parts["monitor"]):
+                x["monitor"] = m
+        if sampled.judgments is not None:  # what the judge said of each sample, and what it was scored
+            metrics.update({f"eval/{k}": v for k, v in sampled.judgments.stats().items()})
+            for x, answer, verdict in zip(samples, sampled.judgments.answers, sampled.judgments.scores):
+                x["judge_answer"], x["judge_score"] = answer, verdict
         path = self.run.eval_samples(step, self.source)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, "".join(json.dumps(x) + "\n" for x in samples))
