@@ -36,6 +36,19 @@ def test_the_advantage_is_the_negative_reverse_kl_per_token():
     torch.testing.assert_close(got, torch.tensor([[0.2, -2.0, 0.0], [1.4, 0.0, 0.0]]))
 
 
+def test_the_position_baseline_is_the_other_samples_mean_at_that_position():
+    # reverse KL (teacher 0): three samples, the second one token shorter, only the first reaching position 3
+    student = torch.tensor([[1.0, 2.0, 3.0, 5.0], [3.0, 0.0, 7.0, 7.0], [2.0, 4.0, 6.0, 7.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    got = distill_advantages(student, torch.zeros_like(student), mask, coef=1.0, baseline="position")
+    # position 0: 1 - (3+2)/2, 3 - (1+2)/2, 2 - (1+3)/2; position 2: 3 - 6, 6 - 3 (the second is masked); position 3:
+    # no other sample there, nothing subtracted
+    want = -torch.tensor([[-1.5, 0.0, -3.0, 5.0], [1.5, -3.0, 0.0, 0.0], [0.0, 3.0, 3.0, 0.0]])
+    torch.testing.assert_close(got, want)
+    # where every sample has a token, the advantages sum to 0
+    torch.testing.assert_close(got[:, :2].sum(0), torch.zeros(2))
+
+
 def _batch(n: int, teacher: bool) -> RolloutBatch:
     return RolloutBatch(step=0, prompts=[[1, 2]] * n, responses=[[3, 4, 5][:1 + i % 3] for i in range(n)],
                         loss_masks=[[1] * (1 + i % 3) for i in range(n)],
@@ -120,8 +133,9 @@ def test_the_teacher_server_scores_like_its_model_and_refuses_weights(tmp_path):
 @pytest.mark.slow
 def test_a_student_distilled_from_the_sft_teacher_learns_faster_than_grpo(tmp_path):
     """jobs/toy-distill-cpu.yaml as users run it (from the repository, its teacher and student built by the toy SFT
-    job): the student reaches the toys' criterion (last-5 mean rule reward >= 0.8, trainer.stop_at) and in fewer steps
-    than GRPO on the rule reward from the same student; the teacher served every step and never took weights."""
+    job): the student reaches the toys' criterion (last-5 mean rule reward >= 0.8, trainer.stop_at) in at most 3/4 of
+    the steps GRPO on the rule reward takes from the same student (measured: 20 against 36); the teacher served every
+    step and never took weights."""
     stop = "trainer.stop_at={reward_mean: 0.8}"
     p = hpc_rl("run", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path / 'distill'}", stop, cwd=REPO)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -142,7 +156,7 @@ def test_a_student_distilled_from_the_sft_teacher_learns_faster_than_grpo(tmp_pa
     grpo = [r["reward_mean"] for r in read_metrics(grpo_run / "metrics.jsonl")]
     print(f"toy distillation: {len(rewards)} steps to a last-5 mean reward of 0.8 (reverse KL {kls[0]:.2f} -> "
           f"{kls[-1]:.2f}); GRPO from the same student: {len(grpo)} steps")
-    assert len(rewards) < len(grpo), (rewards, grpo)
+    assert len(rewards) <= 0.75 * len(grpo), (rewards, grpo)
 
 
 @pytest.mark.slow

@@ -4,7 +4,9 @@ between them is the learning signal.
 Sources: Thinking Machines, "On-Policy Distillation" (2025), https://thinkingmachines.ai/blog/on-policy-distillation/
 (reverse_kl = sampled log-probs - teacher log-probs; advantages = -coef * reverse_kl, per token, no discounting);
 verl's docs/algo/opd.md and its reverse-KL "distillation" advantage; Agarwal et al., "On-Policy Distillation of
-Language Models" (GKD, https://arxiv.org/abs/2306.13649) for the on-policy reverse KL objective.
+Language Models" (GKD, https://arxiv.org/abs/2306.13649) for the on-policy reverse KL objective. The optional
+per-position baseline is the leave-one-out baseline of RLOO (Kool et al. 2019, https://openreview.net/forum?id=r1lgTGL5DE;
+Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740) applied to each response position's token-level signal.
 """
 
 from __future__ import annotations
@@ -19,7 +21,12 @@ def reverse_kl(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor) -
 
 
 def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
-                       coef: float) -> torch.Tensor:
+                       coef: float, baseline: str = "none") -> torch.Tensor:
     """[B, T] per-token advantages -coef * reverse KL (0 outside the mask): a token the teacher finds likelier than
-    the student did is pushed up, one it finds unlikely is pushed down."""
-    return -coef * reverse_kl(student_logprobs, teacher_logprobs) * mask
+    the student did is pushed up, one it finds unlikely is pushed down. baseline "position": each token's reverse KL
+    less the mean of the other samples' at the same position (none there: nothing subtracted)."""
+    rkl = reverse_kl(student_logprobs, teacher_logprobs) * mask
+    if baseline == "position":
+        others = mask.sum(0, keepdim=True) - mask
+        rkl = rkl - (rkl.sum(0, keepdim=True) - rkl) / others.clamp(min=1)
+    return -coef * rkl * mask

@@ -274,7 +274,7 @@ class Trainer:
         d = a.distill
         distill = None
         if d.coef and shard.teacher_logprobs is not None:  # the sampling policy's log-probs against the teacher's
-            distill = distill_advantages(shard.rollout_logprobs, shard.teacher_logprobs, mask, d.coef)
+            distill = distill_advantages(shard.rollout_logprobs, shard.teacher_logprobs, mask, d.coef, d.baseline)
             if d.only:
                 return distill, None
         token_rewards = apply_kl_to_rewards(shard.scores, kl_tok, mask, coef)
