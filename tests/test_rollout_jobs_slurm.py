@@ -197,25 +197,35 @@ def test_a_run_without_servers_of_its_own_waits_for_a_rollout_job_and_learns(slu
     assert slurmq.job_state(rollout_job) == "COMPLETED"
 
 
-def test_a_teacher_job_joins_a_running_distillation_and_leaves_it(slurm_cluster, tmp_path):
-    """`hpc-rl rollout add RUN --role teacher` mid-run: a second teacher server (index 1, on a node of its own job)
-    registers, the trainer's teacher client takes it in and sends it work; `scancel` of that job: the run goes on with
-    the run's own teacher and completes every step, each with the teacher's scores."""
+# A service role's run: its job, what makes its run, and the metric every step has from that service. The judge of
+# 20 SFT steps: its accuracy is not what this checks (tests/test_judge.py trains on the full one).
+SERVICE_RUNS = {
+    "teacher": (["jobs/toy-distill-cpu.yaml"], "teacher_seconds"),
+    "judge": (["jobs/toy-judge-cpu.yaml", "services.judge.path=sft:jobs/toy-judge-sft-cpu.yaml@20"], "judge_seconds"),
+}
+
+
+@pytest.mark.parametrize("role", sorted(SERVICE_RUNS))
+def test_a_service_job_joins_a_running_run_and_leaves_it(slurm_cluster, tmp_path, role):
+    """`hpc-rl rollout add RUN --role teacher|judge` mid-run: a second server of the role (index 1, on a node of its
+    own job) registers, the trainer's client of that role takes it in and sends it work; `scancel` of that job: the
+    run goes on with the run's own server of the role and completes every step, each with that service's answers."""
     steps = 120
-    p = hpc_rl("submit", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=0",
+    job, per_step = SERVICE_RUNS[role]
+    p = hpc_rl("submit", *job, f"output_dir={tmp_path}", "trainer.nodes=1", "rollout.nodes=0",
                f"trainer.steps={steps}", "checkpoint.every=0", "eval.source=null", timeout=600)
     run = submitted_run_dir(p.stdout)
     job_id = read_json(run / "slurm.json")["job_id"]
     token = (run / "token").read_text().strip()
     wait_for(lambda: len(metrics_rows(run)) >= 3, 600, f"job {job_id} to train 3 steps\n{run_logs(run)}")
-    teacher_job = _add(run, "--role", "teacher")
+    service_job = _add(run, "--role", role)
     log0 = run / "logs" / "trainer-0.log"
-    wait_for(lambda: re.search(r"teacher server 1 at \S+ answers; it joins", log0.read_text()), 300,
-             f"the trainer to take in teacher server 1\n{run_logs(run)}")
+    wait_for(lambda: re.search(rf"{role} server 1 at \S+ answers; it joins", log0.read_text()), 300,
+             f"the trainer to take in {role} server 1\n{run_logs(run)}")
     listed = [r for r in json.loads(hpc_rl("rollout", "list", str(run), "--json", timeout=120).stdout)
-              if r["role"] == "teacher"]
+              if r["role"] == role]
     mine = {r["index"]: r for r in listed}
-    assert mine[1]["job_id"] == teacher_job and mine[1]["rollout_job"] and mine[0]["job_id"] == str(job_id), listed
+    assert mine[1]["job_id"] == service_job and mine[1]["rollout_job"] and mine[0]["job_id"] == str(job_id), listed
 
     def requests_served() -> int:
         try:
@@ -224,14 +234,17 @@ def test_a_teacher_job_joins_a_running_distillation_and_leaves_it(slurm_cluster,
         except (requests.RequestException, ValueError):
             return 0
 
-    wait_for(lambda: requests_served() >= 3, 120, "teacher server 1 to answer the trainer's requests")
-    cancel = subprocess.run(["scancel", teacher_job], capture_output=True, text=True, timeout=60)
+    wait_for(lambda: requests_served() >= 3, 120, f"{role} server 1 to answer the trainer's requests")
+    cancel = subprocess.run(["scancel", service_job], capture_output=True, text=True, timeout=60)
     assert cancel.returncode == 0, cancel.stderr
     final = wait_for(lambda: (s := status(run))["state"] in slurmq.TERMINAL and s, 900, f"job {job_id} to end", poll_s=3)
     assert final["state"] == "COMPLETED", f"{final}\n{run_logs(run)}"
     rows = metrics_rows(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    # (the sampled reverse KL may dip below 0 once the student is close: it is an estimate)
-    assert all(r["teacher_seconds"] > 0 and abs(r["distill/reverse_kl"]) < 50 for r in rows), rows[-3:]
-    assert re.search(r"teacher server 1 at \S+ (left|failed)", log0.read_text()), log0.read_text()[-3000:]
-    assert "teacher server 1 serving" in (run / "logs" / "teacher-1.log").read_text()
+    assert all(r[per_step] > 0 for r in rows), rows[-3:]
+    if role == "teacher":  # (the sampled reverse KL may dip below 0 once the student is close: it is an estimate)
+        assert all(abs(r["distill/reverse_kl"]) < 50 for r in rows), rows[-3:]
+    else:
+        assert all(0 <= r["judge/parse_failed_frac"] <= 1 and r["judge/s"] > 0 for r in rows), rows[-3:]
+    assert re.search(rf"{role} server 1 at \S+ (left|failed)", log0.read_text()), log0.read_text()[-3000:]
+    assert f"{role} server 1 serving" in (run / "logs" / f"{role}-1.log").read_text()
