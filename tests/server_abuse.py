@@ -43,7 +43,7 @@ def check_malformed_inputs_are_4xx_naming_the_field(srv, samples_limit: int) -> 
         ("/v1/chat/completions", b'{"messages": "hi"}', "messages: expected a non-empty list"),
         ("/v1/chat/completions", b'{"messages": [{"role": "robot", "content": "x"}]}', "messages[0].role: 'robot'"),
         ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\udcff"}]}', "messages[0].content: text"),
-        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools: tool"),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "tools": []}', "tools: expected a non-empty list"),
         ("/generate", json.dumps({"prompt_token_ids": [[5]], "n": 1_000_000}).encode(),
          f"n: 1 prompt(s) x n 1000000 = 1000000 samples exceed rollout.max_samples_per_request {samples_limit}"),
         ("/v1/completions", json.dumps({"prompt": [5, 6], "n": 10**9}).encode(), "rollout.max_samples_per_request"),

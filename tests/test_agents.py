@@ -69,7 +69,29 @@ async def failing_agent(client, task):
     return {2: float("nan"), 3: "great"}.get(how, 1.0)
 
 
-def _agents(srv, agent: str, **rollout):
+# A chat template that renders tools (their descriptions, in the tiny vocabulary) before the conversation.
+TOOL_TEMPLATE = "{% for t in tools or [] %}{{ t.function.description }} {% endfor %}" + LOOKUP_CHAT_TEMPLATE
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "1 + 1 = 2",
+                                           "parameters": {"type": "object", "properties": {}}}}]
+
+
+async def tool_agent(client, task):
+    """Two calls with tools, the reply sent back as the SDK returned it, then a call forcing a tool (refused)."""
+    import openai
+
+    messages = [{"role": "user", "content": task["prompt"]}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=3)
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": "c0", "content": task["answer"]}]
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, max_tokens=3)
+    try:
+        await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="required")
+    except openai.BadRequestError as e:
+        return {"reward": 1.0, "metrics": {"refused": float("tool_choice: \"required\" is not served" in str(e))}}
+    return 0.0
+
+
+def _agents(srv, agent: str, template: str | None = None, **rollout):
     from hpc_rl import config
     from hpc_rl.orchestrator.agent_front import AgentFront
     from hpc_rl.orchestrator.agents import AgentRollout, load_agent
@@ -79,17 +101,19 @@ def _agents(srv, agent: str, **rollout):
                  *(f"rollout.{k}={v}" for k, v in rollout.items())]
     cfg = config.load(str(REPO / "jobs" / "toy-agent-cpu.yaml"), overrides)
     tok = load_tokenizer(str(srv.model_dir))
+    if template is not None:
+        tok.chat_template = template
     client = RolloutClient(srv.run, srv.run.read_token(), timeout_s=60, retries=0)
     front = AgentFront(tok, client, [tok.eos_token_id], RequestLimits(32), len(tok), srv.run.read_token(), "m")
     return AgentRollout(cfg, front, load_agent(cfg.rollout.agent)), tok, client
 
 
-def _play(srv, agent: str):
+def _play(srv, agent: str, template: str | None = None):
     """4 episodes of `agent` (rows `i + i` with answer 2i; call k of episode i seeded 1000 i + k): (rows, results,
     tokenizer, client)."""
     from hpc_rl.rollout.wire.openai_api import Defaults
 
-    agents, tok, client = _agents(srv, agent)
+    agents, tok, client = _agents(srv, agent, template)
     rows = [{"id": i, "prompt": f"{i} + {i}", "answer": str(2 * i)} for i in range(4)]
     try:
         return rows, agents.run(rows, 0, lambda ep, k: 1000 * ep + k, Defaults(3, 1.0, 1.0, -1)), tok, client
@@ -211,3 +235,29 @@ def test_the_agent_front_over_http_with_the_openai_sdk(srv):
             bad.models.list()
     finally:
         front.shutdown()
+
+
+def test_an_agent_with_tools_stays_one_sequence_and_a_forced_call_is_refused(srv):
+    """Chat calls with `tools`: the template renders them into the prompt (the recorded prompt ids hold the tool's
+    description), a call that sends the reply back as the SDK returned it continues the same sample, and
+    tool_choice "required" is a 400 with one line that the agent reads as openai.BadRequestError."""
+    rows, results, tok, _ = _play(srv, "tests.test_agents:tool_agent", TOOL_TEMPLATE)
+    for i, r in enumerate(results):
+        assert r.error is None and len(r.calls) == 2 and len(r.samples) == 1, r
+        first, second = r.calls
+        assert tok.decode(first.prompt_ids, skip_special_tokens=True).startswith("1 + 1 = 2 " + rows[i]["prompt"])
+        assert second.prompt_ids[:len(first.prompt_ids) + len(first.completion_ids)] == \
+            first.prompt_ids + first.completion_ids
+        assert r.metrics == {"refused": 1.0}
+
+
+def test_a_server_whose_template_ignores_tools_refuses_them(srv):
+    """The server's own route: a model whose chat template never reads `tools` answers 400 naming the field (the
+    model would not see them), not a completion that silently ignores them."""
+    import openai
+
+    sdk = openai.OpenAI(base_url=srv.url + "/v1", api_key=srv.run.read_token(), max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="tools: the chat template of .* does not render tools"):
+        sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "1 + 1"}], tools=TOOLS)
+    out = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "1 + 1"}], max_tokens=2)
+    assert out.choices[0].message.tool_calls is None

@@ -322,7 +322,7 @@ def test_the_openai_sdk_is_refused_without_the_token_and_told_what_is_wrong(srv)
         (dict(messages=[{"role": "robot", "content": "hi"}]), "messages[0].role: 'robot' is not one of"),
         (dict(messages=user, extra_body={"stream_options": {"include_usage": True}}),
          "stream_options: only with stream: true"),
-        (dict(messages=user, tools=[{"type": "function", "function": {"name": "f"}}]), "tools: tool definitions"),
+        (dict(messages=user, tools=[{"type": "function", "function": {"name": "f"}}]), "does not render tools"),
         (dict(messages=user, top_logprobs=3, logprobs=True), "top_logprobs: 3 alternatives are not served"),
         (dict(messages=user, max_tokens=40), "exceed rollout.max_model_len 32"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),

@@ -324,14 +324,14 @@ def test_openai_requests_take_the_runs_sampling_settings_where_they_leave_them_o
 
     d = openai_api.Defaults(max_tokens=7, temperature=0.6, top_p=0.9, top_k=20)
     chat = openai_api.parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]},
-                                 lambda msgs: [1, 2, 3], 100, _limits(), d)
+                                 lambda msgs, tools: [1, 2, 3], 100, _limits(), d)
     p = chat.params
     assert (p.max_new_tokens, p.temperature, p.top_p, p.top_k, p.n) == (7, 0.6, 0.9, 20, 1)
     assert chat.prompts == [[1, 2, 3]] and not chat.logprobs and not chat.token_ids
     # the SDK's nulls mean "not given"; max_completion_tokens wins over max_tokens, as in OpenAI's API
     chat = openai_api.parse_chat({"messages": [{"role": "user", "content": "hi"}], "temperature": None,
                                   "max_tokens": 3, "max_completion_tokens": 5, "logprobs": True,
-                                  "return_token_ids": True, "seed": 4}, lambda msgs: [1], 100, _limits(), d)
+                                  "return_token_ids": True, "seed": 4}, lambda msgs, tools: [1], 100, _limits(), d)
     assert (chat.params.temperature, chat.params.max_new_tokens, chat.params.seed) == (0.6, 5, 4)
     assert chat.logprobs and chat.token_ids
     done = openai_api.parse_completions({"prompt": "abc", "temperature": 0.0}, lambda s: [5] * len(s), 100,

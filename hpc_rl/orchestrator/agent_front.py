@@ -31,6 +31,7 @@ from ..rollout.environments.chat import ChatFormat
 from ..rollout.wire import openai_api
 from ..rollout.wire.protocol import BadRequest, RequestLimits
 from ..rollout.wire.sampling import SamplingParams
+from ..rollout.wire.tool_calls import check_template_tools
 from .agent_trace import Call
 
 log = logging.getLogger("hpc_rl")
@@ -50,6 +51,7 @@ class Episode:
     step: int  # names the generation in errors
     calls: list[Call] = field(default_factory=list)
     messages: list[dict] | None = None  # the last chat call's messages + the reply as returned
+    tools: str | None = None  # ... and its tools (as JSON): a call with other tools is a new prompt
     ids: list[int] = field(default_factory=list)  # ... and its prompt + completion token ids
     last: tuple[int | None, bool] = (None, False)  # its last token and whether it was a stop token
     issued: int = 0  # calls made (the next call's index, for its seed)
@@ -72,6 +74,7 @@ class AgentFront:
         self.tokenizer, self.client = tokenizer, client
         self.stop_ids, self.limits, self.vocab, self.token, self.model_name = stop_ids, limits, vocab, token, model_name
         self.fmt = ChatFormat(tokenizer) if getattr(tokenizer, "chat_template", None) else None
+        self._tool_fmts: dict[str, ChatFormat] = {}  # the chat format of each set of tools calls sent (JSON)
         self._episodes: dict[str, Episode] = {}
         self._encoded: dict[str, list[int]] = {}  # text prompt -> ids (_encode)
         self._lock = threading.Condition()
@@ -165,17 +168,20 @@ class AgentFront:
             raise BadRequest(f"episode {episode}: not running (it finished or timed out); a client of an episode "
                              "serves only that episode")
         msgs: list[dict] = []  # a chat call's messages as parse_chat checked them
+        tools_key: list[str | None] = [None]  # ... and its tools
         if route == "chat/completions":
             if self.fmt is None:
                 raise BadRequest("messages: the policy's tokenizer has no chat template; call /v1/completions with text")
 
-            def render(messages: list[dict]) -> list[int]:
+            def render(messages: list[dict], tools: list[dict] | None) -> list[int]:
                 msgs[:] = messages
-                chained = self._continuation(ep, messages)
+                tools_key[0] = json.dumps(tools, sort_keys=True) if tools else None
+                fmt = self._format(tools, tools_key[0])
+                chained = self._continuation(ep, messages, fmt, tools_key[0])
                 if chained is not None:
                     return chained
                 try:
-                    return self.fmt.prompt_ids(messages)
+                    return fmt.prompt_ids(messages)
                 except Exception as e:  # the template's own checks, or jinja failing on the input
                     raise BadRequest(f"messages: the model's chat template refused them: {first_line(e)}") from None
 
@@ -203,7 +209,8 @@ class AgentFront:
             ep.waiting -= 1
             ep.calls.append(call)
             if route == "chat/completions":
-                ep.messages = [_plain(m) for m in msgs] + [{"role": "assistant", "content": text}]
+                ep.messages = [_plain(m) for m in msgs] + [_plain(openai_api.assistant_message(req, text))]
+                ep.tools = json.dumps(req.tools, sort_keys=True) if req.tools else None
                 ep.ids = call.prompt_ids + call.completion_ids
                 last = out.token_ids[-1] if out.token_ids else None
                 ep.last = (last, out.finish_reason == "stop" and last in self.stop_ids)
@@ -229,10 +236,25 @@ class AgentFront:
         except Exception as e:  # noqa: BLE001 - as answer
             return _failure(e)
 
-    def _continuation(self, ep: Episode, messages: list[dict]) -> list[int] | None:
+    def _format(self, tools: list[dict] | None, key: str | None) -> ChatFormat:
+        """The chat format that renders a call's messages with its tools (one per set of tools)."""
+        if not tools:
+            return self.fmt
+        fmt = self._tool_fmts.get(key)
+        if fmt is None:
+            check_template_tools(self.tokenizer, tools, "the policy")
+            try:
+                fmt = ChatFormat(self.tokenizer, tools)
+            except Exception as e:  # the template's own checks on the tools
+                raise BadRequest(f"tools: the model's chat template refused them: {first_line(e)}") from None
+            with self._lock:
+                self._tool_fmts[key] = fmt
+        return fmt
+
+    def _continuation(self, ep: Episode, messages: list[dict], fmt: ChatFormat, tools: str | None) -> list[int] | None:
         """The prompt ids of a call that appends to the episode's last chat call (see the module's docstring)."""
         prev = ep.messages
-        if prev is None or len(messages) <= len(prev):
+        if prev is None or len(messages) <= len(prev) or tools != ep.tools:
             return None
         if [_plain(m) for m in messages[:len(prev)]] != prev:
             return None
@@ -240,7 +262,7 @@ class AgentFront:
         if any(m.get("role") == "assistant" for m in new):
             return None
         try:
-            return ep.ids + self.fmt.observation_ids([_plain(m) for m in new], *ep.last)
+            return ep.ids + fmt.observation_ids([_tool_result(m) for m in new], *ep.last)
         except Exception:  # a template that renders the turns differently once more follow: a fresh prompt
             return None
 
@@ -319,11 +341,36 @@ def _failure(e: Exception) -> tuple[int, dict]:
 
 
 def _plain(m: dict) -> dict:
-    """A message as the recorded conversation compares it: role and text content."""
+    """A message as the recorded conversation compares it: role, text content and the tool calls' names and
+    arguments (their ids are the client's)."""
     content = m.get("content")
     if isinstance(content, list):
         content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    return {"role": m.get("role"), "content": content if content is not None else ""}
+    out = {"role": m.get("role"), "content": content if content is not None else ""}
+    calls = m.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [_call_key(c) for c in calls]
+    return out
+
+
+def _call_key(call) -> list:
+    fn = call.get("function", {}) if isinstance(call, dict) else {}
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            pass
+    return [fn.get("name"), json.dumps(args, sort_keys=True)]
+
+
+def _tool_result(m: dict) -> dict:
+    """A message after the reply, as the template renders it (a tool result keeps its tool_call_id and name)."""
+    out = _plain(m)
+    for k in ("tool_call_id", "name"):
+        if k in m:
+            out[k] = m[k]
+    return out
 
 
 class _Server(ThreadingHTTPServer):

@@ -7,12 +7,11 @@ without a tool call is the final answer (scored by reward.function). Rewards com
 from __future__ import annotations
 
 import json
-import re
 
+from ..wire.tool_calls import CALL_RE
 from .base import Environment, first_messages
 from .tools import TOOLS, error, tool_schemas
 
-CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 MAX_CALLS_PER_TURN = 4
 
 

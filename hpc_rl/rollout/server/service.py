@@ -33,6 +33,7 @@ from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
 from ..wire import openai_api, protocol
 from ..wire.protocol import DRAIN_S, BadRequest, Busy, Draining, PolicyNotFinite
+from ..wire.tool_calls import check_template_tools
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
 from .collective_receiver import register_server_routes
@@ -259,12 +260,13 @@ class RolloutService:
         self._take_work()
         tok = await asyncio.to_thread(self.tokenizer)
 
-        def render(messages: list[dict]) -> list[int]:
+        def render(messages: list[dict], tools: list[dict] | None) -> list[int]:
             if not getattr(tok, "chat_template", None):
                 raise BadRequest(f"messages: the model's tokenizer ({self.model_path}) has no chat template; send "
                                  "text to /v1/completions or give the tokenizer a chat_template")
+            check_template_tools(tok, tools, self.model_path)
             try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
             except Exception as e:  # the template's own checks (raise_exception), or jinja failing on the input
                 raise BadRequest(f"messages: the model's chat template refused them: {first_line(e)}") from None
             return tok(text, add_special_tokens=False)["input_ids"]

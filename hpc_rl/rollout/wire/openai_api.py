@@ -8,6 +8,8 @@ Any `model` string is accepted: a server serves the run's one policy. Sampling f
 run's `rollout:` settings. `return_token_ids: true` (vLLM's convention) adds the prompt's and each choice's token ids,
 so an agent's caller can train on exactly the tokens the engine generated; `logprobs` returns the sampled tokens'
 raw log-probs (top alternatives are not served). Every response carries the `policy_version` that generated it.
+Chat `tools` go to the chat template, and the completion's tool calls come back as `message.tool_calls`
+(tool_calls.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from .protocol import BadRequest, RequestLimits, check_text, int_field, json_object, parse_generate
 from .sampling import SampleOut, SamplingParams
+from .tool_calls import check_tools, parse_tool_calls, template_messages
 
 # Fields OpenAI clients send that change nothing here; anything else unknown is refused by name.
 _IGNORED = {"model", "user", "stream", "stream_options", "echo", "frequency_penalty", "presence_penalty", "metadata", "store",
@@ -29,7 +32,7 @@ _IGNORED = {"model", "user", "stream", "stream_options", "echo", "frequency_pena
 _COMPLETIONS_FIELDS = {"prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "logprobs",
                        "return_token_ids"}
 _CHAT_FIELDS = {"messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed",
-                "logprobs", "top_logprobs", "return_token_ids"}
+                "logprobs", "top_logprobs", "return_token_ids", "tools", "tool_choice"}
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -57,6 +60,8 @@ class Request:
     token_ids: bool
     stream: bool = False  # answer as server-sent events
     include_usage: bool = False  # stream_options.include_usage: a last event with the usage
+    tools: list[dict] | None = None  # a chat request's tools, as the chat template rendered them
+    parse_tools: bool = False  # the completion's tool calls become message.tool_calls (tool_choice auto)
 
 
 class Streamed(dict):
@@ -163,18 +168,16 @@ def check_messages(messages: Any) -> list[dict]:
     return out
 
 
-def parse_chat(body: Any, render: Callable[[list[dict]], list[int]], vocab: int | None, limits: RequestLimits,
-               defaults: Defaults) -> Request:
-    """Validate a /v1/chat/completions body; `render(messages) -> token ids` applies the chat template with the
-    generation prompt. logprobs: true gives the sampled tokens' log-probs (top_logprobs must be 0 or absent)."""
+def parse_chat(body: Any, render: Callable[[list[dict], list[dict] | None], list[int]], vocab: int | None,
+               limits: RequestLimits, defaults: Defaults) -> Request:
+    """Validate a /v1/chat/completions body; `render(messages, tools) -> token ids` applies the chat template with
+    the generation prompt. logprobs: true gives the sampled tokens' log-probs (top_logprobs must be 0 or absent)."""
     body = json_object(body)
-    if "tools" in body or "tool_choice" in body:
-        raise BadRequest("tools: tool definitions are not served yet; describe the tools in a system message and "
-                         "parse the completion's text")
     _common(body, _CHAT_FIELDS, "/v1/chat/completions")
     if "messages" not in body:
         raise BadRequest("messages: missing; send a list of {\"role\": ..., \"content\": ...} objects")
-    ids = render(check_messages(body["messages"]))
+    tools, parse_tools = check_tools(body)
+    ids = render(template_messages(check_messages(body["messages"])), tools)
     if not ids:
         raise BadRequest("messages: the chat template renders them to no tokens")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -185,7 +188,8 @@ def parse_chat(body: Any, render: Callable[[list[dict]], list[int]], vocab: int 
     top = body.get("top_logprobs")
     if top not in (None, 0):
         raise BadRequest(f"top_logprobs: {top} alternatives are not served; send 0 or leave it out")
-    return Request(prompts, params, lp, bool(body.get("return_token_ids", False)), *_stream_fields(body))
+    return Request(prompts, params, lp, bool(body.get("return_token_ids", False)), *_stream_fields(body), tools,
+                   parse_tools)
 
 
 def _usage(req: Request, outputs: list[list[SampleOut]]) -> dict:
@@ -220,8 +224,10 @@ def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable
     """The chat.completion object of `outputs` (one prompt, n samples)."""
     choices = []
     for s in outputs[0]:
-        c = {"index": len(choices), "message": {"role": "assistant", "content": decode(s.token_ids)},
+        c = {"index": len(choices), "message": assistant_message(req, decode(s.token_ids)),
              "finish_reason": s.finish_reason, "logprobs": None}
+        if c["message"].get("tool_calls") and s.finish_reason == "stop":
+            c["finish_reason"] = "tool_calls"
         if req.logprobs:
             c["logprobs"] = {"content": [{"token": (piece := decode([t])), "logprob": lp,
                                           "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
@@ -234,6 +240,14 @@ def chat_response(req: Request, outputs: list[list[SampleOut]], decode: Callable
     if req.token_ids:
         out["prompt_token_ids"] = req.prompts[0]
     return _streamed(req, out)
+
+
+def assistant_message(req: Request, text: str) -> dict:
+    """The reply's message: its text, or with tools its tool calls and the text around them."""
+    if not req.parse_tools:
+        return {"role": "assistant", "content": text}
+    content, calls = parse_tool_calls(text)
+    return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
 def _streamed(req: Request, out: dict) -> dict:
@@ -263,8 +277,10 @@ def sse(response: Streamed) -> bytes:
     events = []
     for c in response["choices"]:
         if chat:
-            first = {"index": c["index"], "delta": {"role": "assistant", "content": c["message"]["content"]},
-                     "logprobs": c["logprobs"], "finish_reason": None}
+            delta = {"role": "assistant", "content": c["message"]["content"]}
+            if c["message"].get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(c["message"]["tool_calls"])]
+            first = {"index": c["index"], "delta": delta, "logprobs": c["logprobs"], "finish_reason": None}
             last = {"index": c["index"], "delta": {}, "logprobs": None, "finish_reason": c["finish_reason"]}
         else:
             first = {"index": c["index"], "text": c["text"], "logprobs": c["logprobs"], "finish_reason": None}
