@@ -8,8 +8,9 @@ one HF rollout server) two ways, sides alternating (A B A B):
 Per side: median step seconds after the first, the generation phase's seconds and samples/s (256 / step seconds);
 and the agent path's cost per call in ms (the step time it adds, over the step's 256 calls).
 The goal (issue: the OpenAI path must not cost more than 20%) is agent samples/s >= 0.8 x native. On this toy a
-step's generation is ~0.3 s for 256 samples, so the SDK's few ms of CPU per call weigh far more than they would
-beside a real model's generation.
+step's generation is ~0.1 s for 256 samples, so the SDK's CPU per call weighs far more than it would beside a real
+model's generation; the bench also measures the SDK alone against canned in-process answers (sdk_alone_ms_per_call):
+the floor of an agent call's cost, whatever hpc-rl's front does.
   python bench/agent_overhead.py           # 12 steps, 2 rounds
   python bench/agent_overhead.py --quick   # 4 steps, 1 round
 Writes bench/results/agent_overhead.json; the last line printed is one JSON object with the ratio.
@@ -31,6 +32,41 @@ SIDES = {"native": [],
                    "reward.function=null"]}
 
 
+def sdk_ms_per_call(calls: int = 256, rounds: int = 3) -> float:
+    """The openai SDK's own CPU per call: `calls` concurrent completions through AsyncOpenAI clients sharing one
+    httpx client whose transport answers a canned completion in-process (no front, no server, no engine), as the
+    agent path's clients do. The median over `rounds` after a warm-up round, in ms per call: the floor of what an
+    agent's call can cost here, whatever the front does."""
+    import asyncio
+    import time
+
+    import httpx
+    import openai
+
+    body = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+                       "choices": [{"index": 0, "text": " 3 4", "finish_reason": "stop", "logprobs": None}],
+                       "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}).encode()
+
+    class Canned(httpx.AsyncBaseTransport):
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            await request.aread()
+            return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+
+    async def measure() -> list[float]:
+        out = []
+        async with httpx.AsyncClient(transport=Canned()) as http:
+            for _ in range(rounds + 1):
+                t0 = time.perf_counter()
+                clients = [openai.AsyncOpenAI(base_url=f"http://front/e/{i}/v1", api_key="k", http_client=http,
+                                              max_retries=0) for i in range(calls)]
+                await asyncio.gather(*[c.completions.create(model="m", prompt="copy 1 2 :", max_tokens=6)
+                                       for c in clients])
+                out.append((time.perf_counter() - t0) / calls * 1000)
+        return out[1:]
+
+    return statistics.median(asyncio.run(measure()))
+
+
 def main() -> None:
     args, work = rounds_args(__doc__, steps=12, rounds=2, quick=(4, 1), prefix="agent-overhead-bench-")
     job = bench_job("toy-grpo-cpu", "agent-overhead-bench", args.steps)
@@ -48,14 +84,19 @@ def main() -> None:
     # What an episode's call costs on top of native generation: a constant per call, so its share of a step shrinks
     # as generation gets longer (a real model's samples take far longer than this toy's ~0.3 ms).
     per_call_ms = (med["agent"]["step_s"] - med["native"]["step_s"]) / samples * 1000
+    sdk_ms = sdk_ms_per_call(samples)
     rows = [[side, f"{v['step_s']:.2f}", f"{v['gen_s']:.2f}", f"{v['samples_per_s']:.1f}"] for side, v in med.items()]
     print(table(["side", "s/step", "generation s", "samples/s"], rows))
     result = {"machine": machine(), "load_avg_before": load_before, "steps": args.steps, "rounds": args.rounds,
               "sides": med, "runs": runs, "ratio_agent_vs_native_samples_per_s": ratio, "goal": 0.8,
-              "agent_overhead_ms_per_call": per_call_ms}
+              "agent_overhead_ms_per_call": per_call_ms, "sdk_alone_ms_per_call": sdk_ms,
+              "ratio_if_the_sdk_cost_nothing": samples / (med["agent"]["step_s"] - sdk_ms * samples / 1000)
+              / med["native"]["samples_per_s"]}
     write_result("agent_overhead", result)
+    print(f"the agent path adds {per_call_ms:.2f} ms per call; the openai SDK alone (canned in-process answers) "
+          f"costs {sdk_ms:.2f} ms per call")
     print(json.dumps({"agent_vs_native_samples_per_s": round(ratio, 3), "goal": 0.8,
-                      "agent_overhead_ms_per_call": round(per_call_ms, 2)}))
+                      "agent_overhead_ms_per_call": round(per_call_ms, 2), "sdk_alone_ms_per_call": round(sdk_ms, 2)}))
 
 
 if __name__ == "__main__":

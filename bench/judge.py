@@ -31,6 +31,7 @@ SIDES = {"rule": ["reward.judge=null", "services.judge=null", "reward.function=h
 def main() -> None:
     args, work = rounds_args(__doc__, steps=12, rounds=2, quick=(4, 1), prefix="judge-bench-")
     job = bench_job("toy-judge-cpu", "judge-bench", args.steps)
+    job["eval"] = {"source": None}  # the step time of training only
     load_before = machine()["load_avg"]
 
     def measure(side: str, res: dict) -> dict:
