@@ -154,3 +154,18 @@ def test_a_policy_rewarded_only_by_its_own_judge_learns_the_task(tmp_path):
     assert len(samples) == 20 and all(isinstance(x["judge_answer"], str) for x in samples)
     row = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()][-1]
     assert row["source"] == "offline" and row["eval/judge/s"] > 0 and row["eval/monitor_mean"] >= 0.5, row
+
+    # An exported model evaluated with the job file: its judge (an sft: spec) is built or taken from the cache; a
+    # judge that cannot start stops the evaluation with its error in one line, at once (not after the startup timeout)
+    hf = sorted((run / "checkpoints").glob("step_*/hf"))[-1]
+    p = hpc_rl("eval", str(hf), "--job", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path / 'model-eval'}", cwd=REPO,
+               timeout=600)
+    assert p.returncode == 0 and "step 0: pass@1" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+    broken = tmp_path / "broken-judge"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "qwen2"}')
+    p = hpc_rl("eval", str(hf), "--job", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path / 'model-eval'}",
+               f"services.judge.path={broken}", cwd=REPO, timeout=120)
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode != 0 and err.startswith("hpc-rl: error: judge server 0 on node ") and "model.safetensors" in err, \
+        p.stderr[-3000:]

@@ -11,9 +11,11 @@ checkpoint as a Slurm job array.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -22,9 +24,11 @@ from ..checkpoints import find_latest, list_checkpoints, step_dir, verify
 from ..config import JobConfig
 from ..data.datasets import load_rows
 from ..errors import CheckpointError, ConfigError
-from ..launch import start_rollout_server, stop_processes
-from ..logs import setup_logging
+from ..launch import ServerFailure, start_rollout_server, stop_processes
+from ..logs import last_error_line, setup_logging
 from ..models.loading import load_tokenizer
+from ..models.sft_built import built_sft_model, is_sft_spec
+from ..models.sft_built import parse as parse_sft_spec
 from ..orchestrator.evaluation import EvalLog, Evaluator
 from ..orchestrator.judge import Judge
 from ..orchestrator.sampling import Sampler
@@ -89,6 +93,22 @@ def model_folder(run: RunDir, cfg: JobConfig, step: int, scratch: Path) -> str:
     return str(out)
 
 
+def _report_early_deaths(scratch: RunDir, procs: list, done: threading.Event) -> None:
+    """A server of the evaluation that exits is reported as its launcher reports one it gives up on (rendezvous/
+    failed-KIND-0.json, which the client's wait reads): the evaluation stops with its last error line instead of
+    waiting out rollout.startup_timeout_s."""
+    while not done.wait(0.5):
+        for p in procs:
+            code = p.poll()
+            if code is None:
+                continue
+            kind = "judge" if "--role" in p.args and "judge" in p.args else "rollout"
+            f = ServerFailure(0, code, os.uname().nodename, False, last_error_line(scratch.logs / f"{kind}-0.log"),
+                              kind)
+            write_json_atomic(scratch.server_failure_file(0, kind), {**dataclasses.asdict(f), "message": f.line()})
+            return
+
+
 def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, source: str = "offline") -> dict:
     """Start one rollout server on `model_path` (its own scratch run dir under RUN/eval/) and, for a job scored by a
     served judge, one judge server; evaluate it as `step`, stop them; the row appended to RUN/eval.jsonl."""
@@ -111,6 +131,8 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
         procs.append(start_rollout_server(scratch, served, 0, svc.local_devices[:svc.tensor_parallel] or None,
                                           kind="judge"))
     client = judge_client = None
+    watching = threading.Event()
+    threading.Thread(target=_report_early_deaths, args=(scratch, procs, watching), daemon=True).start()
     try:
         client = RolloutClient.from_run_dir(scratch, served)
         client.wait_ready(1, served.rollout.startup_timeout_s)
@@ -127,12 +149,13 @@ def evaluate_model(run: RunDir, cfg: JobConfig, model_path: str, step: int, sour
         evaluator.log = EvalLog(run)
         row = evaluator.evaluate(step, step, served_version=0)
     except BaseException:
-        log.error("the evaluation server's log: %s", scratch.logs / "rollout-0.log")
+        log.error("the evaluation servers' logs: %s", scratch.logs)
         raise
     finally:
         for c in (client, judge_client):
             if c is not None:
                 c.close()
+        watching.set()
         write_json_atomic(scratch.done_file, {"time": time.time()})
         stop_processes(procs)
     shutil.rmtree(scratch.root, ignore_errors=True)
@@ -181,7 +204,13 @@ def eval_cli(target: str, step: int | None = None, every: bool = False, best: bo
             raise ConfigError(f"{job}: eval.source is not set; give the held-out prompts (eval.source=...)")
         _check_inputs(cfg)
         cfg.model.path, cfg.model.tiny, cfg.model.lora = str(path.resolve()), None, None
+        for role, svc in cfg.services.roles().items():
+            if is_sft_spec(svc.path):
+                parse_sft_spec(svc.path, f"services.{role}.path")  # the SFT job exists: before the run dir
         run = rundir.create(cfg.output_dir, f"{cfg.name}-eval")
+        for role, svc in cfg.services.roles().items():  # a judge an SFT job makes (built once per cache)
+            if is_sft_spec(svc.path):
+                svc.path = str(built_sft_model(svc.path, run.root / f"{role}-model", f"services.{role}.path"))
         run.job_yaml.write_text(config.dump(cfg))
         log.info("evaluating %s in %s", path, run.root)
         print(_line(evaluate_model(run, cfg, cfg.model.path, 0)))
