@@ -205,25 +205,11 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
             if learner.step % cfg.logging.every == 0 or last:
                 log.info(progress_line(learner.step, total, m, t_fit, first_step))
         learner.stop_if_diverging()
-        every = cfg.checkpoint.every
-        saved = bool(every) and (learner.step % every == 0 or last)
         # keep_best: every evaluated step has a checkpoint that can become the best one.
-        saved = saved or bool(cfg.checkpoint.keep_best and cfg.eval.due(learner.step, total))
-        if saved:
-            save(learner, orch)
-        if stopped:
-            if dist.is_main:
-                log.info("step %d of %d: trainer.stop_at reached (%s); the run ends here", learner.step, total,
-                         stopped)
-            break
-        # Preemption: one rank got the signal; all of them stop here, at the same step boundary.
-        if learner.step < total and preemption.agreed():
-            if not saved:
-                save(learner, orch)
-            preempted = True
-            if dist.is_main:
-                log.warning("preempted: checkpoint of step %d written; stopping so that the job is requeued "
-                            "(it resumes from this step)", learner.step)
+        ended = preemption.end_step(learner.step, total, cfg.checkpoint.every, stopped, lambda: save(learner, orch),
+                                    dist.is_main, due=bool(cfg.checkpoint.keep_best and cfg.eval.due(learner.step, total)))
+        if ended:
+            preempted = ended == "preempted"
             break
     if dist.is_main:
         orch.finish(learner.step, preempted)

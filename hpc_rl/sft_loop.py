@@ -144,22 +144,10 @@ def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
                 if learner.step % cfg.logging.every == 0 or last:
                     log.info(progress_line(learner.step, total, m, t_fit, first_step))
             learner.stop_if_diverging()
-            every = cfg.checkpoint.every
-            saved = bool(every) and (learner.step % every == 0 or last)
-            if saved:
-                learner.save_checkpoint(None, None)
-            if stopped:
-                if dist.is_main:
-                    log.info("step %d of %d: trainer.stop_at reached (%s); the run ends here", learner.step, total,
-                             stopped)
-                break
-            if learner.step < total and preemption.agreed():
-                if not saved:
-                    learner.save_checkpoint(None, None)
-                preempted = True
-                if dist.is_main:
-                    log.warning("preempted: checkpoint of step %d written; stopping so that the job is requeued "
-                                "(it resumes from this step)", learner.step)
+            ended = preemption.end_step(learner.step, total, cfg.checkpoint.every, stopped,
+                                        lambda: learner.save_checkpoint(None, None), dist.is_main)
+            if ended:
+                preempted = ended == "preempted"
                 break
         status = "preempted" if preempted else "finished"
         if dist.is_main and not preempted:
