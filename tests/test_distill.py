@@ -183,3 +183,11 @@ def test_teacher_nodes_follow_the_rollout_and_reward_nodes():
         (0, "trainer", 0, 2), (1, "trainer", 1, 2), (2, "rollout", 0, 1), (3, "teacher", 0, 2), (4, "teacher", 1, 2)]
     assert [role_of(cfg, i) for i in range(5)] == ["trainer", "trainer", "rollout", "teacher", "teacher"]
     assert describe(cfg)[4] == "node 4: teacher 1 (2 teacher server(s))"
+    # where each role's servers run (the client names a missing server's node with it); a judge's nodes follow the
+    # teacher's
+    judged = config.load(REPO / "jobs" / "toy-distill-cpu.yaml", [
+        "trainer.nodes=2", "rollout.nodes=1", "services.teacher.nodes=2", "services.teacher.servers_per_node=2",
+        "services.judge={path: sft:jobs/toy-judge-sft-cpu.yaml, nodes: 1}",
+        "reward.judge={template: '{{ completion }}', parser: yes_no}"])
+    assert [judged.server_layout(r) for r in ("rollout", "teacher", "judge")] == [(2, 1, 1), (3, 2, 2), (5, 1, 1)]
+    assert cfg.server_layout("reward") == (0, 0, 1)  # none of its own: beside trainer node 0

@@ -266,7 +266,7 @@ def test_a_joined_server_gets_work_by_its_measured_throughput(pair):
 def test_wait_ready_timeout_names_missing_servers(pair):
     (pair.run.logs / "rollout-2.log").write_text("Traceback ...\nRuntimeError: CUDA out of memory\n")
     c = client_for(pair.run)
-    c.layout = (2, 3, 1)  # trainer.nodes, rollout.nodes, rollout.servers_per_node
+    c.layout = (2, 3, 1)  # the first rollout node, rollout.nodes, rollout.servers_per_node (JobConfig.server_layout)
     t0 = time.monotonic()
     with pytest.raises(RolloutError) as ei:
         c.wait_ready(3, timeout_s=2)

@@ -112,6 +112,15 @@ class JobConfig:
             out += [NodeRole(base + k, role, k, svc.servers_per_node) for k in range(svc.nodes)]
         return out
 
+    def server_layout(self, role: str) -> tuple[int, int, int]:
+        """Where the servers of `role` ("rollout", "reward" or a service's) run in the job: (the index of its first
+        node, its nodes, servers per node); with no nodes of its own they run beside trainer node 0."""
+        nodes = [n for n in self.node_roles() if n.role == role]
+        per_node = {"rollout": self.rollout.servers_per_node, "reward": 1}.get(role)
+        if per_node is None:
+            per_node = self.services.roles()[role].servers_per_node
+        return (nodes[0].index if nodes else 0), len(nodes), per_node
+
     @property
     def server_nodes(self) -> int:
         """Nodes of the job that serve rather than train: rollout, reward and services' nodes, in that order."""

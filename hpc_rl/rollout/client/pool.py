@@ -70,7 +70,7 @@ class ServerPool:
         self._events: list[str] = []  # joins and leaves since membership_events() last took them
         self.pushed_version: int | None = None
         self.expected: int | None = None  # the job's own servers, once wait_ready knows them
-        # (trainer.nodes, rollout.nodes, rollout.servers_per_node): names a missing server's node in errors.
+        # (its first node, its nodes, servers per node: JobConfig.server_layout): names a missing server's node in errors.
         self.layout: tuple[int, int, int] | None = None
         self.refresh()
 
@@ -247,10 +247,10 @@ class ServerPool:
             return f"node {info['hostname']}"
         if self.layout is None:
             return "node unknown"
-        trainer_nodes, rollout_nodes, per_node = self.layout
-        if rollout_nodes == 0:
+        first_node, nodes, per_node = self.layout
+        if nodes == 0:
             return "on the first trainer node"
-        return f"node index {trainer_nodes + idx // per_node} of the job"
+        return f"node index {first_node + idx // per_node} of the job"
 
     def healthy(self) -> list[Server]:
         live = [s for s in self.servers.values() if s.healthy]

@@ -55,13 +55,7 @@ class RolloutClient(ServerPool):
             dev = "cuda" if torch.cuda.is_available() else "cpu"
         client = cls(run, run.read_token(), timeout_s=r.request_timeout_s, retries=r.retries,
                      weight_sync=r.weight_sync, trainer_device=dev, kind=kind, max_samples=r.max_samples_per_request)
-        if kind == "rollout":
-            client.layout = (cfg.trainer.nodes, r.nodes, r.servers_per_node)
-        elif kind == "reward":
-            client.layout = (cfg.trainer.nodes + r.nodes, cfg.reward.nodes, 1)
-        else:  # a service (services.KIND): its nodes follow the reward nodes
-            svc = cfg.services.roles()[kind]
-            client.layout = (cfg.trainer.nodes + r.nodes + cfg.reward.nodes, svc.nodes, svc.servers_per_node)
+        client.layout = cfg.server_layout(kind)
         return client
 
     @property
