@@ -70,6 +70,12 @@ def find_latest(run: RunDir) -> Path | None:
     return None
 
 
+def latest_name(run: RunDir) -> str:
+    """The newest complete checkpoint's name, or "none" (for the line a failed run ends with)."""
+    latest = find_latest(run)
+    return latest.name if latest is not None else "none"
+
+
 def prune(run: RunDir, keep_last: int, latest: Path) -> None:
     steps = list_checkpoints(run)
     best = best_checkpoint(run)

@@ -228,8 +228,7 @@ def roll_back(run: RunDir, version: int | None) -> str:
     """Rank 0, as the run stops for a policy that is not finite: checkpoints of that policy or later (version None:
     none was written) are set aside; what `latest` names now, in words."""
     aside = checkpoints.set_aside(run, version) if version is not None else []
-    latest = checkpoints.find_latest(run)
-    now = latest.name if latest is not None else "none"
+    now = checkpoints.latest_name(run)
     if aside:
         now += (f", rolled back from {aside[-1].name.removesuffix(checkpoints.NOT_FINITE_SUFFIX)} (kept as "
                 f"{', '.join(p.name for p in aside)})")

@@ -58,7 +58,7 @@ def sft_step(step: int, cfg: JobConfig, learner, data: SFTDataset) -> dict:
     try:
         learner.check_policy(step, batch, stats)
     except PolicyNotFinite as e:
-        raise TrainingError(f"{e}; latest checkpoint: {latest_name(learner.run)}; lower trainer.lr") from None
+        raise TrainingError(f"{e}; latest checkpoint: {checkpoints.latest_name(learner.run)}; lower trainer.lr") from None
     stats["pad_fraction"] = learner.pad_fraction()
     stats["epoch"] = (step + 1) * cfg.samples_per_step / len(data)
     stats["step_seconds"] = time.time() - t0
@@ -84,11 +84,6 @@ def held_out_loss(cfg: JobConfig, learner, held_out: SFTDataset) -> dict:
     examples += [SFTExample(first.prompt, first.target, [0] * len(first.mask))] * pad  # counts nothing
     loss, tokens = nll(learner, pack_examples(examples, learner.tokenizer.pad_token_id).to(dist.device))
     return {"eval/loss": loss, "eval/tokens": tokens}
-
-
-def latest_name(run: RunDir) -> str:
-    latest = checkpoints.find_latest(run)
-    return latest.name if latest is not None else "none"
 
 
 def train_sft(cfg: JobConfig, run: RunDir, dist) -> None:
