@@ -52,3 +52,21 @@ def test_only_stage_0_float32_guards_itself():
     for over in (["trainer.zero_stage=3"], ["trainer.zero_stage=0", "model.dtype=bfloat16"]):
         cfg = load(TOY, over)
         assert not guards_itself(cfg) and type(make_optimizer(torch.nn.Linear(2, 2), 1e-3, cfg)) is torch.optim.AdamW
+
+
+def test_the_finiteness_check_reads_a_zero3_partition_without_its_padding():
+    """DeepSpeed's ZeRO-3 partitions are torch.empty of ceil(numel / world) elements and only the real ones are
+    written: the padding holds whatever the memory held. The check reads each rank's real elements only (a critic's
+    1-element bias over 2 ranks is all padding on rank 1; a NaN there once stopped a healthy run)."""
+    from types import SimpleNamespace
+
+    from hpc_rl.train.engines import zero3_owned
+
+    nan = float("nan")
+    bias = SimpleNamespace(ds_numel=1, ds_tensor=torch.tensor([nan]))  # rank 1 of 2: padding only
+    assert zero3_owned(bias, 1).numel() == 0
+    weight = SimpleNamespace(ds_numel=3, ds_tensor=torch.tensor([2.0, nan]))  # 3 over 2 ranks: rank 1 holds [2, pad]
+    assert zero3_owned(weight, 1).tolist() == [2.0]
+    assert zero3_owned(SimpleNamespace(ds_numel=3, ds_tensor=torch.tensor([0.5, 1.0])), 0).tolist() == [0.5, 1.0]
+    real_nan = SimpleNamespace(ds_numel=3, ds_tensor=torch.tensor([nan, 7.0]))  # a real NaN is still seen
+    assert torch.isnan(zero3_owned(real_nan, 1)).all()

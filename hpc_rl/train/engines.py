@@ -185,10 +185,28 @@ def build_reward_model(cfg: JobConfig, world_size: int, device_kind: str):
     return engine, tok, label
 
 
+def zero3_owned(param, rank: int) -> torch.Tensor:
+    """The elements of a ZeRO-3 parameter that partition `rank` holds, without the padding that evens out the last
+    partitions: DeepSpeed allocates each partition with torch.empty and never writes its padding, so those values are
+    whatever the memory held (a NaN there is no NaN of the model: a 1-element bias over 2 ranks is all padding on
+    rank 1)."""
+    size = param.ds_tensor.numel()
+    real = max(0, min(size, int(param.ds_numel) - rank * size))
+    return param.ds_tensor.view(-1)[:real]
+
+
 def params_finite(engine) -> bool:
     """Whether this rank's part of the engine's trainable weights is finite (under ZeRO-3 its partition: the ranks
     together check every weight once). One device sync."""
-    parts = [p.ds_tensor if hasattr(p, "ds_tensor") else p.data for p in engine.module.parameters() if p.requires_grad]
+    parts = []
+    for p in engine.module.parameters():
+        if not p.requires_grad:
+            continue
+        if hasattr(p, "ds_tensor"):
+            group = getattr(p, "ds_process_group", None)
+            parts.append(zero3_owned(p, torch.distributed.get_rank(group=group)))
+        else:
+            parts.append(p.data)
     parts = [t for t in parts if t.numel()]
     if not parts:
         return True
