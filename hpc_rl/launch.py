@@ -107,6 +107,9 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
                 svc.path = str(check_model_dir(svc.path, f"services.{role}.path").resolve())
         if cfg.services.teacher is not None:  # it scores the policy's token ids
             check_same_tokenizer(tokenizer, cfg.model.path, cfg.services.teacher.path, "services.teacher.path")
+            if cfg.algorithm.distill.top_k > len(tokenizer):
+                raise ConfigError(f"algorithm.distill.top_k: {cfg.algorithm.distill.top_k} exceeds the "
+                                  f"{len(tokenizer)} tokens of the teacher's tokenizer; lower it")
         if cfg.algorithm.supervised:  # every row's target and length, before anything starts
             SFTDataset(cfg.data, tokenizer, cfg.seed)
             if cfg.eval.enabled:

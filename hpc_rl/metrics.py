@@ -14,7 +14,8 @@ log = logging.getLogger("hpc_rl")
 
 # The one line per step, in this order; other metrics go to the files only.
 STEP_LINE = [("reward_mean", "reward", "{:.3f}"), ("monitor_mean", "monitor", "{:.3f}"), ("kl", "kl", "{:.4f}"),
-             ("distill/reverse_kl", "distill kl", "{:.3f}"), ("policy_loss", "pg_loss", "{:.4f}"), ("loss", "loss", "{:.4f}"),
+             ("distill/reverse_kl", "distill kl", "{:.3f}"),
+             ("distill/topk_kl", "top-k kl", "{:.3f}"), ("policy_loss", "pg_loss", "{:.4f}"), ("loss", "loss", "{:.4f}"),
              ("tool_calls_per_sample", "tools/sample", "{:.2f}"),
              ("turns_per_sample", "turns", "{:.2f}"), ("truncated_frac", "truncated", "{:.2f}"),
              ("groups_kept_frac", "groups kept", "{:.2f}"), ("generated_reward_mean", "generated reward", "{:.3f}"),

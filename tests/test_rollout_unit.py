@@ -173,7 +173,7 @@ def test_bodies_are_refused_by_field_for_nan_depth_and_bad_text():
 
 
 def test_parse_logprobs_errors():
-    assert protocol.parse_logprobs({"token_ids": [[1, 2, 3]], "prompt_lens": [1]}, 10, protocol.RequestLimits(8)) == ([[1, 2, 3]], [1])
+    assert protocol.parse_logprobs({"token_ids": [[1, 2, 3]], "prompt_lens": [1]}, 10, protocol.RequestLimits(8)) == ([[1, 2, 3]], [1], 0)
     with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: must be >= 1"):
         protocol.parse_logprobs({"token_ids": [[1, 2]], "prompt_lens": [0]}, 10, protocol.RequestLimits(8))
     with pytest.raises(protocol.BadRequest, match=r"prompt_lens\[0\]: 3 exceeds"):

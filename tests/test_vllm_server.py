@@ -77,6 +77,23 @@ def test_batch_generation_n(srv):
     assert max(abs(a - b) for a, b in zip(lp, s["logprobs"])) < TOL
 
 
+def test_top_k_logprobs_equal_hf(srv):
+    """/logprobs with top_k (a distillation teacher's route): at each response position the k likeliest tokens,
+    likeliest first, with the log-probs HF computes."""
+    import torch
+
+    ids = [5, 6, 7, 8, 9, 10, 11]
+    res = srv.s.post(srv.url + "/logprobs", json={"token_ids": [ids], "prompt_lens": [3], "top_k": 5},
+                     timeout=60).json()
+    model = load_causal_lm(srv.model_dir).eval()
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1)
+    best = lp[2:len(ids) - 1].topk(5, -1)  # positions 2..5 predict tokens 3..6
+    assert res["top_ids"][0] == best.indices.tolist()
+    assert (torch.tensor(res["top_logprobs"][0]) - best.values).abs().max() < TOL
+    assert max(abs(a - float(lp[j - 1, ids[j]])) for j, a in zip(range(3, len(ids)), res["logprobs"][0])) < TOL
+
+
 def test_openai_completions_and_auth(srv):
     body = {"model": "tiny", "prompt": "copy 7 :", "max_tokens": 5, "n": 2, "seed": 1, "logprobs": 0}
     r = srv.s.post(srv.url + "/v1/completions", json=body, timeout=60)

@@ -7,6 +7,10 @@ verl's docs/algo/opd.md and its reverse-KL "distillation" advantage; Agarwal et 
 Language Models" (GKD, https://arxiv.org/abs/2306.13649) for the on-policy reverse KL objective. The optional
 per-position baseline is the leave-one-out baseline of RLOO (Kool et al. 2019, https://openreview.net/forum?id=r1lgTGL5DE;
 Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740) applied to each response position's token-level signal.
+The top-k term (distill.top_k) is the teacher's top-k distribution matched at every position the student sampled:
+NeMo-RL's DistillationLossFn with the teacher's top-k logits and its forward KL
+(https://github.com/NVIDIA-NeMo/RL/blob/main/nemo_rl/algorithms/loss_functions.py), GKD's forward KL on the
+student's own samples.
 """
 
 from __future__ import annotations
@@ -30,3 +34,14 @@ def distill_advantages(student_logprobs: torch.Tensor, teacher_logprobs: torch.T
         others = mask.sum(0, keepdim=True) - mask
         rkl = rkl - (rkl.sum(0, keepdim=True) - rkl) / others.clamp(min=1)
     return -coef * rkl * mask
+
+
+def topk_forward_kl(student_top_logprobs: torch.Tensor, teacher_top_logprobs: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """[B, T] per-position KL(q || p) over the teacher's top k tokens: q the teacher's distribution at `temperature`
+    renormalized over its top k (teacher_top_logprobs [B, T, k], temperature-1 log-probs as the engines report
+    them), p the student's log-probs of the same tokens ([B, T, k], at the sampling temperature, not renormalized).
+    Zero only when the student puts all its mass on those k tokens in the teacher's proportions: mass outside them
+    counts as distance (sum_k q (log q - log p) = KL(q || p/Z) - log Z, Z the student's mass on them)."""
+    log_q = torch.log_softmax(teacher_top_logprobs.float() / temperature, dim=-1)
+    return (log_q.exp() * (log_q - student_top_logprobs)).sum(-1)

@@ -267,16 +267,20 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """log softmax(logits)[labels] per token; [B, T, V], [B, T] -> [B, T].
+    """log softmax(logits)[labels] per token; [B, T, V], [B, T] -> [B, T] (or labels [B, T, C] -> [B, T, C]: C
+    tokens per position).
 
     Computed as z[label] - logsumexp(z), which never materializes the full [B, T, V] log-softmax.
     Half-precision logits are upcast to float32 one row at a time to bound the extra memory.
     """
-    idx = labels.long().unsqueeze(-1)
+    several = labels.dim() == logits.dim()
+    idx = labels.long() if several else labels.long().unsqueeze(-1)
     if logits.dtype in (torch.float32, torch.float64):
-        return logits.gather(-1, idx).squeeze(-1) - torch.logsumexp(logits, dim=-1)
-    rows = []
-    for row_logits, row_idx in zip(logits, idx):
-        z = row_logits.float()
-        rows.append(z.gather(-1, row_idx).squeeze(-1) - torch.logsumexp(z, dim=-1))
-    return torch.stack(rows)
+        out = logits.gather(-1, idx) - torch.logsumexp(logits, dim=-1, keepdim=True)
+    else:
+        rows = []
+        for row_logits, row_idx in zip(logits, idx):
+            z = row_logits.float()
+            rows.append(z.gather(-1, row_idx) - torch.logsumexp(z, dim=-1, keepdim=True))
+        out = torch.stack(rows)
+    return out if several else out.squeeze(-1)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 from ..algos.registry import ALGORITHMS, KL_CLAMP_DEFAULT, KL_ESTIMATOR_NAMES, LOSS_AGGREGATIONS, POLICY_LOSSES, algorithm
+from ..rollout.wire.protocol import MAX_TOP_K
 
 if TYPE_CHECKING:
     from .job import JobConfig
@@ -66,6 +67,13 @@ class DistillConfig:
     # criterion in 20 steps instead of 29). Suits answers whose positions line up across samples; on free-form text
     # it still reduces variance, less.
     baseline: Literal["none", "position"] = "none"
+    # Also match the teacher's top k tokens at every sampled position (0: off; at most 64): the teacher returns its k
+    # likeliest tokens and their log-probs there, and coef times the forward KL from that top-k distribution
+    # (renormalized) to the student's log-probs of the same tokens is added to the loss (NeMo-RL's top-k
+    # distillation). A dense signal: each position teaches k tokens' worth instead of the one sampled (the toy
+    # reaches its criterion in 17 steps instead of 20 at the same lr, 13 at lr 2e-3, which it tolerates). Costs k ids
+    # and log-probs per token on the wire and k extra log-probs of the output layer in the update.
+    top_k: int = 0
 
 
 KLEstimatorName = Literal[KL_ESTIMATOR_NAMES]  # noqa: PYI047 (checked at load)
@@ -230,6 +238,9 @@ def check(cfg: JobConfig, need) -> None:
     need(not a.distill.only or a.distill.coef > 0, "algorithm.distill.only needs algorithm.distill.coef > 0")
     need(a.distill.baseline in ("none", "position"),
          f"algorithm.distill.baseline must be none or position; got {a.distill.baseline!r}")
+    need(isinstance(a.distill.top_k, int) and 0 <= a.distill.top_k <= MAX_TOP_K,
+         f"algorithm.distill.top_k must be an integer from 0 (off) to {MAX_TOP_K}; got {a.distill.top_k!r}")
+    need(not a.distill.top_k or a.distill.coef > 0, "algorithm.distill.top_k needs algorithm.distill.coef > 0")
     need(a.tis_cap >= 1, f"algorithm.tis_cap must be >= 1 (the importance weight's truncation); got {a.tis_cap}")
 
 

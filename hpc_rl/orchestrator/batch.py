@@ -22,6 +22,8 @@ FILLER = -1  # the episode id of a row that trains nothing (RolloutBatch.with_fi
 # The per-sample fields, in the order a batch is built.
 PER_SAMPLE = ("prompts", "responses", "loss_masks", "rollout_logprobs", "versions", "truncated", "group_ids",
               "prompt_ids")
+# The per-sample fields a teacher fills (on-policy distillation), None without one.
+TEACHER = ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs")
 
 
 @dataclass
@@ -45,13 +47,17 @@ class RolloutBatch:
     episode_ids: list[int] | None = None
     # The teacher's log-prob of each response token (on-policy distillation, services.teacher); None: no teacher.
     teacher_logprobs: list[list[float]] | None = None
+    # The teacher's k likeliest tokens at each response position and their log-probs (algorithm.distill.top_k);
+    # None: not asked for.
+    teacher_top_ids: list[list[list[int]]] | None = None
+    teacher_top_logprobs: list[list[list[float]]] | None = None
 
     def __post_init__(self):
         n = len(self.prompts)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
-        for name in ("episode_ids", "teacher_logprobs"):
+        for name in ("episode_ids", *TEACHER):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(vals)} entries for {n} samples")
@@ -82,7 +88,7 @@ class RolloutBatch:
             reward_model_ids=None if self.reward_model_ids is None else pick(self.reward_model_ids),
             scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats),
             episode_ids=None if self.episode_ids is None else pick(self.episode_ids),
-            teacher_logprobs=None if self.teacher_logprobs is None else pick(self.teacher_logprobs))
+            **{name: None if getattr(self, name) is None else pick(getattr(self, name)) for name in TEACHER})
 
     # ------------------------------------------------------------------ episodes
 
@@ -124,7 +130,8 @@ class RolloutBatch:
             reward_model_ids=None if self.reward_model_ids is None else self.reward_model_ids + [[token]] * k,
             scores=None if self.scores is None else self.scores + [0.0] * k, stats=self.stats,
             episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k,
-            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs + [[0.0]] * k)
+            **{name: None if getattr(self, name) is None else getattr(self, name) + [[filler]] * k
+               for name, filler in zip(TEACHER, (0.0, [], []))})
         return out
 
     @staticmethod
@@ -136,12 +143,12 @@ class RolloutBatch:
         parts = {k: [] for k in first.reward_parts}
         rm_ids = [] if first.reward_model_ids is not None else None
         episodes = [] if any(b.episode_ids is not None for b in batches) else None
-        teacher = [] if first.teacher_logprobs is not None else None
+        teacher = {name: [] for name in TEACHER if getattr(first, name) is not None}
         for b in batches:
-            if (b.teacher_logprobs is None) != (teacher is None):
+            if {name for name in TEACHER if getattr(b, name) is not None} != set(teacher):
                 raise ValueError("RolloutBatch.concat: some batches have the teacher's log-probs and some do not")
-            if teacher is not None:
-                teacher += b.teacher_logprobs
+            for name, vals in teacher.items():
+                vals += getattr(b, name)
             if episodes is not None:  # renumbered as the groups are, so that episodes of different batches stay apart
                 base = len(set(episodes))
                 renumber_e: dict[int, int] = {}
@@ -161,7 +168,7 @@ class RolloutBatch:
                 rm_ids += b.reward_model_ids
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
                             stats=dict(first.stats if stats is None else stats), episode_ids=episodes,
-                            teacher_logprobs=teacher)
+                            **teacher)
 
     # ------------------------------------------------------------------ checkpoints
 

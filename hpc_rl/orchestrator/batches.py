@@ -58,15 +58,24 @@ class BatchMaker:
         return sampled.batch
 
     def _teacher_logprobs(self, b: RolloutBatch) -> None:
-        """The teacher's log-prob of every response token (observations included; the loss masks leave them out)."""
+        """The teacher's log-prob of every response token (observations included; the loss masks leave them out), and
+        with algorithm.distill.top_k its k likeliest tokens at each of those positions."""
         t0 = time.time()
         self.teacher.rejoin()  # teacher servers that joined (a rollout job's) or came back since the last step
-        b.teacher_logprobs = self.teacher.logprobs([p + r for p, r in zip(b.prompts, b.responses)],
-                                                   [len(p) for p in b.prompts])
+        rows, lens = [p + r for p, r in zip(b.prompts, b.responses)], [len(p) for p in b.prompts]
+        k = self.cfg.algorithm.distill.top_k
+        if k:
+            top = self.teacher.top_logprobs(rows, lens, k)
+            b.teacher_logprobs, b.teacher_top_ids, b.teacher_top_logprobs = top.logprobs, top.top_ids, top.top_logprobs
+        else:
+            b.teacher_logprobs = self.teacher.logprobs(rows, lens)
         for i, (lp, r) in enumerate(zip(b.teacher_logprobs, b.responses)):
             if len(lp) != len(r):
                 raise RolloutError(f"teacher server answered {len(lp)} log-probs for sample {i}'s {len(r)} response "
                                    "tokens")
+            if k and (len(b.teacher_top_ids[i]) != len(r) or any(len(x) != k for x in b.teacher_top_ids[i])):
+                raise RolloutError(f"teacher server answered top-{k} tokens of the wrong shape for sample {i}'s "
+                                   f"{len(r)} response tokens")
         b.stats["teacher_seconds"] = time.time() - t0
         if debug:
             log.debug("step %d: teacher log-probs of sample 0's %d tokens %s, the policy's %s", b.step + 1,

@@ -93,6 +93,16 @@ def pad_rows(rows: list[list[float]], width: int, fill: float = 0.0) -> torch.Te
     return out
 
 
+def pad_top_rows(rows: list[list[list[float]]], width: int, k: int, dtype=torch.float32) -> torch.Tensor:
+    """[B, width, k] from per-row lists of k values per position (a teacher's top-k ids or log-probs), 0-padded."""
+    out = torch.zeros((len(rows), width, k), dtype=dtype)
+    for i, r in enumerate(rows):
+        r = [pos for pos in r[:width] if len(pos) == k]  # a filler row's positions hold nothing
+        if r:
+            out[i, :len(r)] = torch.tensor(r, dtype=dtype)
+    return out
+
+
 def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: bool = False):
     """Log-probs [B, R] of the response tokens (and entropies) under `model` (a DeepSpeed engine or module).
 
@@ -101,28 +111,43 @@ def policy_forward(model, batch: Batch, temperature: float = 1.0, with_entropy: 
     (logits, fp32 log-softmax, entropy), recomputed in the backward pass: no [B, R, vocab] tensor is ever
     whole. Other models return their logits, and only the log-softmax runs in chunks.
     """
+    lp, ent = _forward(model, batch, batch.responses.unsqueeze(-1), temperature, with_entropy)
+    return lp[..., 0], ent
+
+
+def policy_forward_top(model, batch: Batch, top_ids: torch.Tensor, temperature: float = 1.0,
+                       with_entropy: bool = False):
+    """policy_forward, and in the same forward the log-probs [B, R, k] of other tokens at each response position
+    (top_ids [B, R, k]: the teacher's top k of on-policy distillation): (log-probs, entropies, their log-probs)."""
+    labels = torch.cat([batch.responses.unsqueeze(-1), top_ids.to(batch.responses.device, torch.long)], -1)
+    lp, ent = _forward(model, batch, labels, temperature, with_entropy)
+    return lp[..., 0], ent, lp[..., 1:]
+
+
+def _forward(model, batch: Batch, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    """[B, R, C] log-probs of labels[b, j, :] at response position j, and [B, R] entropies (or None)."""
     P, R = batch.prompt_len, batch.responses.shape[1]
     inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
               "position_ids": batch.position_ids, "use_cache": False}
     if not _takes_logits_to_keep(model):
         logits = model(**inputs).logits[:, P - 1:-1, :]
-        return token_logprobs(logits, batch.responses, temperature, with_entropy)
+        return token_logprobs(logits, labels, temperature, with_entropy)
     # Logits at position t predict token t+1: response token j comes from position P-1+j.
     keep = torch.arange(P - 1, P + R - 1, device=batch.input_ids.device)
     head = _lean_head(model)
     if head is None:
-        return token_logprobs(model(**inputs, logits_to_keep=keep).logits, batch.responses, temperature, with_entropy)
+        return token_logprobs(model(**inputs, logits_to_keep=keep).logits, labels, temperature, with_entropy)
     # For this call only, the output layer returns log-probs; its parameter hooks (ZeRO-3 gathers) still run.
     own_forward = head.__dict__.get("forward")
-    head.forward = lambda h: _chunked_head(h, head.weight, head.bias, batch.responses, temperature, with_entropy)
+    head.forward = lambda h: _chunked_head(h, head.weight, head.bias, labels, temperature, with_entropy)
     try:
-        out = model(**inputs, logits_to_keep=keep).logits  # [B, R, 2]: log-prob and entropy per token
+        out = model(**inputs, logits_to_keep=keep).logits  # [B, R, C + 1]: log-probs and entropy per position
     finally:
         if own_forward is None:
             del head.forward
         else:
             head.forward = own_forward
-    return out[..., 0], (out[..., 1] if with_entropy else None)
+    return out[..., :-1], (out[..., -1] if with_entropy else None)
 
 
 # Causal LMs whose forward is `logits = self.lm_head(hidden_states[:, logits_to_keep])` with nothing applied
@@ -140,10 +165,12 @@ def _lean_head(model) -> torch.nn.Linear | None:
 
 def _chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                   temperature: float, with_entropy: bool) -> torch.Tensor:
-    """The output layer and log-softmax over chunks of tokens: [B, R, H] -> [B, R, 2] (log-prob, entropy or 0)."""
+    """The output layer and log-softmax over chunks of tokens: [B, R, H] -> [B, R, C + 1] (the log-probs of the C
+    labels of each position, then its entropy or 0)."""
     B, R, H = hidden.shape
+    C = labels.shape[-1]
     flat = hidden.reshape(B * R, H)
-    flat_labels = labels.reshape(B * R)
+    flat_labels = labels.reshape(B * R, C)
     step = max(1, LOGIT_CHUNK_BYTES // (4 * weight.shape[0]))
     # Recomputing in backward only pays where the logits would not fit one chunk anyway.
     recompute = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad) and B * R > step
@@ -151,18 +178,21 @@ def _chunked_head(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     for s in range(0, B * R, step):
         args = (flat[s:s + step], weight, bias, flat_labels[s:s + step], temperature, with_entropy)
         outs.append(checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args))
-    return torch.cat(outs).view(B, R, 2)
+    return torch.cat(outs).view(B, R, C + 1)
 
 
 def _head_chunk(h, weight, bias, labels, temperature, with_entropy):
     lp, ent = _chunk_logprobs(torch.nn.functional.linear(h, weight, bias), labels, temperature, with_entropy)
-    return torch.stack([lp, ent if with_entropy else torch.zeros_like(lp)], -1)
+    return torch.cat([lp, (ent if with_entropy else torch.zeros_like(lp[:, 0])).unsqueeze(-1)], -1)
 
 
 def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log softmax(logits / temperature)[labels] and the entropies, [B, R, V] -> [B, R], in fp32 chunks."""
+    """log softmax(logits / temperature)[labels] and the entropies, [B, R, V] -> [B, R] (labels [B, R]) or
+    [B, R, C] (labels [B, R, C]: C tokens per position), in fp32 chunks."""
     B, R, V = logits.shape
+    several = labels.dim() == 3
+    labels = labels if several else labels.unsqueeze(-1)
     step = max(1, LOGIT_CHUNK_BYTES // (4 * V))
     # Recomputing a chunk in backward costs a softmax; it only pays where the whole would not fit a chunk.
     recompute = torch.is_grad_enabled() and logits.requires_grad and B * R > step
@@ -173,11 +203,12 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
             lps.append(lp)
             ents.append(ent)
-    logp = torch.cat(lps).view(B, R)
-    return logp, (torch.cat(ents).view(B, R) if with_entropy else None)
+    logp = torch.cat(lps).view(B, R, labels.shape[-1])
+    return (logp if several else logp[..., 0]), (torch.cat(ents).view(B, R) if with_entropy else None)
 
 
 def _chunk_logprobs(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    """[N, V] logits, [N, C] labels -> [N, C] log-probs, [N] entropies (or a zero-size placeholder)."""
     z = z.float()
     if temperature != 1.0:
         z = z / temperature

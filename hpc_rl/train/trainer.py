@@ -43,7 +43,7 @@ from .engines import (
     params_finite,
     policy_state_dict,
 )
-from .experience import Batch, forward_micro_batches, pack, pad_rows, policy_forward, value_forward, without_truncated
+from .experience import Batch, forward_micro_batches, pack, pad_rows, pad_top_rows, policy_forward, value_forward, without_truncated
 from .micro_batches import MicroBatch, plan, token_counts
 from .update import Forwards, Shard, injected_nan_steps, mini_batch_rows, ppo_update
 
@@ -198,12 +198,17 @@ class Trainer:
         packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
         rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
-        teacher_lp = None
+        width = packed.responses.shape[1]
+        teacher_lp = top_ids = top_lp = None
         if mine.teacher_logprobs is not None:
-            teacher_lp = pad_rows(mine.teacher_logprobs, packed.responses.shape[1]).to(dist.device)
+            teacher_lp = pad_rows(mine.teacher_logprobs, width).to(dist.device)
+        if mine.teacher_top_ids is not None:
+            k = self.cfg.algorithm.distill.top_k
+            top_ids = pad_top_rows(mine.teacher_top_ids, width, k, torch.long).to(dist.device)
+            top_lp = pad_top_rows(mine.teacher_top_logprobs, width, k).to(dist.device)
         self.reset_token_counts()
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
-                     rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes, teacher_lp)
+                     rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes, teacher_lp, top_ids, top_lp)
 
     def micro_batches(self, batch: Batch, rows: torch.Tensor) -> list[MicroBatch]:
         """`rows` of `batch` cut into micro-batches (trainer.max_tokens_per_micro_batch or micro_batch_size);

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..algos.losses import actor_loss, aggregate_count, micro_batch_weight, value_loss
+from ..algos.distill import topk_forward_kl
+from ..algos.losses import actor_loss, aggregate, aggregate_count, micro_batch_weight, value_loss
 from .distributed import all_reduce_scalar
-from .experience import Batch, policy_forward, value_forward
+from .experience import Batch, policy_forward, policy_forward_top, value_forward
 from .micro_batches import MicroBatch
 
 # Fault injection for tests: "STEP:K[,STEP:K...]" makes the loss of the K-th optimizer step of RL step STEP (both
@@ -44,6 +45,9 @@ class Shard:
     episodes: torch.Tensor | None = None
     # [B, R] the teacher's log-probs of the sampled tokens (on-policy distillation); None: no teacher
     teacher_logprobs: torch.Tensor | None = None
+    # [B, R, k] the teacher's k likeliest tokens at each response position and their log-probs (distill.top_k)
+    teacher_top_ids: torch.Tensor | None = None
+    teacher_top_logprobs: torch.Tensor | None = None
 
 
 def mini_batch_rows(samples: int, mini_batch_size: int, world: int, rank: int, seed: int, step: int) -> torch.Tensor:
@@ -115,7 +119,11 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                 idx, w = mb.rows, mb.response_width
                 mask = mb.batch.response_mask
                 weight = micro_batch_weight(mask, whole, a.loss_agg, dist.world_size)
-                logp, ent = policy_forward(t.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
+                if shard.teacher_top_ids is None:
+                    logp, ent = policy_forward(t.actor, mb.batch, cfg.rollout.temperature, with_entropy=True)
+                else:  # the same forward gives the student's log-probs of the teacher's top k tokens
+                    logp, ent, student_top = policy_forward_top(t.actor, mb.batch, shard.teacher_top_ids[idx, :w],
+                                                                cfg.rollout.temperature, with_entropy=True)
                 if fill_old:  # before this mini-batch's (only) optimizer step: these are the old log-probs
                     old_lp[idx, :w] = logp.detach()
                     mb_is = t.is_weights(logp.detach(), fwd, shard.rollout_logprobs[idx, :w], mask)
@@ -123,6 +131,11 @@ def ppo_update(t, step: int, shard: Shard, fwd: Forwards, adv, returns, is_weigh
                     mb_is = is_weights[idx, :w] if is_weights is not None else None
                 loss, st = actor_loss(logp, ent, old_lp[idx, :w], ref_lp[idx, :w] if use_kl_loss else None,
                                       adv[idx, :w], mask, a, t.kl_ctl.value, mb_is)
+                if shard.teacher_top_ids is not None:  # on-policy distillation's top-k term
+                    top_kl = aggregate(topk_forward_kl(student_top, shard.teacher_top_logprobs[idx, :w],
+                                                       cfg.rollout.temperature), mask, a.loss_agg, a.loss_agg_norm)
+                    loss = loss + a.distill.coef * top_kl
+                    st["distill/topk_kl"] = float(top_kl.detach())
                 if poison and j == 0:
                     loss = loss * float("nan")
                 # A non-finite loss still goes through backward: its NaN gradient norm makes the optimizer

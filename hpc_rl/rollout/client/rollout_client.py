@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ...errors import RolloutError
 from ...rundir import RunDir
 from ..wire import protocol
-from ..wire.sampling import SampleOut, SamplingParams
+from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 from .pool import ServerPool
 from .routing import Router, bounded, split_contiguous, split_weighted
 from .weight_push import WeightPush
@@ -123,12 +123,24 @@ class RolloutClient(ServerPool):
 
     def logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy."""
+        return [row for res in self._logprobs(token_ids, prompt_lens, 0) for row in res["logprobs"]]
+
+    def top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> TopLogprobs:
+        """logprobs, and at each of those positions the served model's k likeliest tokens and their raw log-probs."""
+        out = TopLogprobs([], [], [])
+        for res in self._logprobs(token_ids, prompt_lens, k):
+            out.logprobs += res["logprobs"]
+            out.top_ids += res["top_ids"]
+            out.top_logprobs += res["top_logprobs"]
+        return out
+
+    def _logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> list[dict]:
         if not token_ids:
             return []
         ranges, owners = bounded(split_contiguous(len(token_ids), self.router.n_chunks()), 1, self.max_samples)
-        bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b])} for a, b in ranges]
-        results = self.router.run_chunks("/logprobs", bodies, "logprobs", owners=owners)
-        return [row for res in results for row in res["logprobs"]]
+        bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b]), **({"top_k": k} if k else {})}
+                  for a, b in ranges]
+        return self.router.run_chunks("/logprobs", bodies, "logprobs", owners=owners)
 
     def score(self, token_ids: list[list[int]]) -> list[float]:
         """Raw reward-model logits of the rows (reward.model.placement: server), split across the servers."""

@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from ..wire.sampling import SampleOut, SamplingParams
+from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 
 if TYPE_CHECKING:  # torch is heavy; importing this module must stay cheap for the client
     import torch
@@ -84,6 +84,11 @@ class Engine(abc.ABC):
                         cancel: threading.Event | None = None) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
 
+    def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                            cancel: threading.Event | None = None) -> TopLogprobs:
+        """prompt_logprobs, and at each of those positions the k likeliest tokens and their raw log-probs."""
+        raise NotImplementedError(f"{type(self).__name__} does not return top-k log-probs")
+
     async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                              cancel: threading.Event | None = None) -> list[list[SampleOut]]:
         """generate for a caller on an event loop. Its work stops when the awaiting task is cancelled (engines with
@@ -94,6 +99,11 @@ class Engine(abc.ABC):
                                     cancel: threading.Event | None = None) -> list[list[float]]:
         """prompt_logprobs for a caller on an event loop (as generate_async)."""
         return await asyncio.to_thread(self.prompt_logprobs, token_ids, prompt_lens, cancel)
+
+    async def prompt_top_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                                        cancel: threading.Event | None = None) -> TopLogprobs:
+        """prompt_top_logprobs for a caller on an event loop (as generate_async)."""
+        return await asyncio.to_thread(self.prompt_top_logprobs, token_ids, prompt_lens, k, cancel)
 
     @abc.abstractmethod
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -17,7 +17,7 @@ import torch
 from ...errors import ModelError
 from ...models import load_causal_lm
 from ..wire.protocol import PolicyNotFinite
-from ..wire.sampling import SampleOut, SamplingParams
+from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 from .engine import Cancelled, Engine, FairLock
 
 log = logging.getLogger("hpc_rl")
@@ -195,17 +195,24 @@ class HFEngine(Engine):
 
     def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
                         cancel: threading.Event | None = None) -> list[list[float]]:
-        out: list[list[float]] = []
+        return self.prompt_top_logprobs(token_ids, prompt_lens, 0, cancel).logprobs
+
+    def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                            cancel: threading.Event | None = None) -> TopLogprobs:
+        out = TopLogprobs([], [], [])
         for start in range(0, len(token_ids), self.batch_samples):
             end = start + self.batch_samples
             with self._turns.turn(cancel):
-                out += self._prompt_logprobs(token_ids[start:end], prompt_lens[start:end])
+                part = self._prompt_logprobs(token_ids[start:end], prompt_lens[start:end], k)
+            out.logprobs += part.logprobs
+            out.top_ids += part.top_ids
+            out.top_logprobs += part.top_logprobs
         return out
 
     @torch.inference_mode()
-    def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
+    def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> TopLogprobs:
         if not token_ids:
-            return []
+            return TopLogprobs([], [], [])
         b = len(token_ids)
         width = max(len(t) for t in token_ids)
         # Right padding: real tokens keep positions 0..len-1, exactly as in an unpadded forward.
@@ -217,10 +224,16 @@ class HFEngine(Engine):
         logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
         if not bool(torch.isfinite(logits).all()):
             raise PolicyNotFinite("the model's logits are not finite")
-        logp = torch.log_softmax(logits[:, :-1, :], dim=-1).gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1)
-        logp = logp.cpu()
+        all_lp = torch.log_softmax(logits[:, :-1, :], dim=-1)
+        logp = all_lp.gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()
         # Position j predicts token j+1, so tokens[pl:] are scored by positions pl-1 .. len-2 (pl >= 1).
-        return [logp[i, pl - 1:len(t) - 1].tolist() for i, (t, pl) in enumerate(zip(token_ids, prompt_lens))]
+        spans = [(pl - 1, len(t) - 1) for t, pl in zip(token_ids, prompt_lens)]
+        out = TopLogprobs([logp[i, a:z].tolist() for i, (a, z) in enumerate(spans)], [], [])
+        if k:
+            top_lp, top_ids = (x.cpu() for x in all_lp.topk(k, dim=-1))
+            out.top_ids = [top_ids[i, a:z].tolist() for i, (a, z) in enumerate(spans)]
+            out.top_logprobs = [top_lp[i, a:z].tolist() for i, (a, z) in enumerate(spans)]
+        return out
 
     # ------------------------------------------------------------------ weights
 

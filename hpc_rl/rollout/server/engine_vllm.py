@@ -28,7 +28,8 @@ import torch
 
 from ...errors import ModelError, first_line
 from ...models.loading import check_model_dir
-from ..wire.sampling import SampleOut, SamplingParams
+from ..wire.protocol import MAX_TOP_K
+from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 from .engine import Engine
 
 log = logging.getLogger("hpc_rl")
@@ -103,6 +104,7 @@ class VLLMEngine(Engine):
             kv_cache_memory_bytes=self.kv_cache_bytes,
             max_model_len=int(r.max_model_len), enforce_eager=bool(r.enforce_eager),
             trust_remote_code=bool(cfg.model.trust_remote_code), logprobs_mode="raw_logprobs",
+            max_logprobs=MAX_TOP_K,  # /logprobs with top_k (on-policy distillation's teacher)
             worker_extension_cls=WORKER_EXT, disable_log_stats=True, skip_tokenizer_init=False)
         self._sched: asyncio.Lock | None = None
         self._loop = _new_loop()
@@ -214,17 +216,31 @@ class VLLMEngine(Engine):
 
     async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
                                     cancel=None) -> list[list[float]]:
+        return (await self.prompt_top_logprobs_async(token_ids, prompt_lens, 0)).logprobs
+
+    def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                            cancel=None) -> TopLogprobs:
+        return self._run(self.prompt_top_logprobs_async(token_ids, prompt_lens, k))
+
+    async def prompt_top_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                                        cancel=None) -> TopLogprobs:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 
-        # prompt_logprobs=0 returns, per position, exactly the actual token's log-prob (position 0 is None).
-        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+        # prompt_logprobs=k returns, per position, the k likeliest tokens and the actual one (position 0 is None);
+        # k=0 exactly the actual token's log-prob.
+        sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=k, output_kind=RequestOutputKind.FINAL_ONLY,
                  detokenize=False)
         outs = await self._many(token_ids, [sp] * len(token_ids))
-        res = []
+        res = TopLogprobs([], [], [])
         for toks, pl, ro in zip(token_ids, prompt_lens, outs):
-            plp = ro.prompt_logprobs
-            res.append([float(plp[j][toks[j]].logprob) for j in range(max(pl, 1), len(toks))])
+            plp = ro.prompt_logprobs[max(pl, 1):len(toks)]
+            res.logprobs.append([float(d[t].logprob) for d, t in zip(plp, toks[max(pl, 1):])])
+            if k:
+                # The actual token is there too when it is not among the k likeliest: the k first by log-prob.
+                best = [sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k] for d in plp]
+                res.top_ids.append([[int(t) for t, _ in b] for b in best])
+                res.top_logprobs.append([[float(v.logprob) for _, v in b] for b in best])
         return res
 
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -291,16 +291,25 @@ class RolloutService:
                                           self.started)
 
     async def logprobs(self, body, cancel: threading.Event | None = None) -> dict:
-        toks, lens = protocol.parse_logprobs(body, self.vocab, self.limits)
+        toks, lens, top_k = protocol.parse_logprobs(body, self.vocab, self.limits)
         with self._admitted():
             async with self.weight_gate.generating():
                 try:
-                    lps = await self.engine.prompt_logprobs_async(toks, lens, cancel)
-                    check_finite(lps, "logprobs")
+                    if top_k:
+                        top = await self.engine.prompt_top_logprobs_async(toks, lens, top_k, cancel)
+                        check_finite(top.logprobs, "logprobs")
+                        check_finite([row for rows in top.top_logprobs for row in rows], "top_logprobs")
+                        lps = top.logprobs
+                    else:
+                        lps = await self.engine.prompt_logprobs_async(toks, lens, cancel)
+                        check_finite(lps, "logprobs")
                 except PolicyNotFinite as e:
                     raise self._not_finite(e) from None
                 version = self.policy_version
-        return {"policy_version": version, "logprobs": lps}
+        out = {"policy_version": version, "logprobs": lps}
+        if top_k:
+            out.update(top_ids=top.top_ids, top_logprobs=top.top_logprobs)
+        return out
 
     def _swap(self, named: list, version: int) -> None:
         self._take_work()

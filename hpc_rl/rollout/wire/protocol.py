@@ -214,12 +214,17 @@ def parse_generate(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     return prompts, p
 
 
-def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple[list[list[int]], list[int]]:
-    """Validate a /logprobs body: token_ids and prompt_lens with 1 <= prompt_len <= len(tokens)."""
+# The most tokens per position /logprobs returns with top_k (algorithm.distill.top_k's bound).
+MAX_TOP_K = 64
+
+
+def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple[list[list[int]], list[int], int]:
+    """Validate a /logprobs body: token_ids and prompt_lens with 1 <= prompt_len <= len(tokens), and top_k (0, the
+    default: the tokens' log-probs only; k: also each position's k likeliest tokens, 1 <= k <= MAX_TOP_K)."""
     body = json_object(body)
-    extra = sorted(set(body) - {"token_ids", "prompt_lens"})
+    extra = sorted(set(body) - {"token_ids", "prompt_lens", "top_k"})
     if extra:
-        raise BadRequest(f"{extra[0]}: unknown field; /logprobs takes token_ids and prompt_lens")
+        raise BadRequest(f"{extra[0]}: unknown field; /logprobs takes token_ids, prompt_lens and top_k")
     for f in ("token_ids", "prompt_lens"):
         if f not in body:
             raise BadRequest(f"{f}: missing")
@@ -237,7 +242,10 @@ def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
             raise BadRequest(f"prompt_lens[{i}]: {pl} exceeds the row's {len(t)} tokens")
         if len(t) > max_model_len:
             raise BadRequest(f"token_ids[{i}]: {len(t)} tokens exceed rollout.max_model_len {max_model_len}")
-    return toks, lens
+    top_k = int_field(body.get("top_k", 0), "top_k", 0, MAX_TOP_K)
+    if vocab is not None and top_k > vocab:
+        raise BadRequest(f"top_k: {top_k} exceeds the model's {vocab} tokens")
+    return toks, lens, top_k
 
 
 def parse_load_file(body: Any) -> tuple[str, int]:

@@ -43,3 +43,13 @@ class SampleOut:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+
+
+@dataclass
+class TopLogprobs:
+    """What /logprobs with top_k returns for each row: the raw log-prob of every token after the prompt, and at each
+    of those positions the k likeliest tokens (ids, likeliest first) and their raw log-probs."""
+
+    logprobs: list[list[float]]
+    top_ids: list[list[list[int]]]
+    top_logprobs: list[list[list[float]]]
