@@ -70,6 +70,51 @@ def test_hermes_blocks_become_tool_calls():
         assert parse_tool_calls(text) == (text, [])  # returned as the model wrote it
 
 
+LLAMA = '<|python_tag|>{"name": "add", "parameters": {"a": 1, "b": 2}}; {"name": "neg", "parameters": {"a": 3}}'
+MISTRAL = ' [{"name": "add", "arguments": {"a": 1, "b": 2}}, {"name": "neg", "arguments": {"a": 3}}]'
+WANT = [("add", {"a": 1, "b": 2}), ("neg", {"a": 3})]
+
+
+def _named(calls: list[dict]) -> list[tuple]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("llama3_json", LLAMA, None),
+    ("llama3_json", LLAMA.removeprefix("<|python_tag|>"), None),  # decoding dropped the special token
+    ("mistral", MISTRAL, None),  # decoding dropped [TOOL_CALLS]
+    ("mistral", "Adding. [TOOL_CALLS]" + MISTRAL, "Adding."),
+])
+def test_llama_and_mistral_calls_become_tool_calls(parser, text, content):
+    assert (lambda r: (r[0], _named(r[1])))(parse_tool_calls(text, parser)) == (content, WANT)
+    assert (lambda r: (r[0], _named(r[1])))(parse_tool_calls(text, "auto")) == (content, WANT)
+    assert parse_tool_calls(text, "hermes") == (text, [])  # another family's format is text to the others
+
+
+@pytest.mark.parametrize("parser", ["llama3_json", "mistral", "auto"])
+def test_text_that_only_looks_like_a_call_stays_text(parser):
+    for text in ('{"a": 1}', '{"name": "add"} and then some words', '[{"name": "add"}] trailing', "[1, 2]",
+                 '{"name": "add", ', "The answer is 3.", '[{"name": ""}]'):
+        assert parse_tool_calls(text, parser) == (text, []), text
+
+
+def test_the_run_reads_the_tool_calls_of_its_models_family():
+    """rollout.tool_call_parser reaches the chat route's reply through the run's defaults (servers and agents)."""
+    from hpc_rl import config
+
+    for parser, reply, want in [("llama3_json", LLAMA, WANT), ("hermes", LLAMA, []), ("auto", REPLY, WANT[:1]),
+                                ("auto", MISTRAL, WANT)]:
+        cfg = config.load_dict({"name": "t", "model": {"path": "m"}, "rollout": {"tool_call_parser": parser}})
+        req = openai_api.parse_chat({"messages": [{"role": "user", "content": "1 + 2"}], "tools": TOOLS},
+                                    lambda m, t: [1, 2], 100, RequestLimits(64), openai_api.Defaults.of(cfg.rollout))
+        out = openai_api.chat_response(req, [[SampleOut([7], [-0.1], "stop")]], lambda ids, reply=reply: reply, "m", 0)
+        got = _named(out["choices"][0]["message"].get("tool_calls", []))
+        assert got == want, (parser, reply)
+    with pytest.raises(config.ConfigError, match="rollout.tool_call_parser") as e:
+        config.load_dict({"name": "t", "model": {"path": "m"}, "rollout": {"tool_call_parser": "qwen"}})
+    assert "llama3_json" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_the_sdk_reads_the_tool_calls_streamed_or_not():
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 

@@ -131,6 +131,10 @@ class RolloutConfig:
     agent_kwargs: dict = field(default_factory=dict)
     # Episodes running at once.
     agent_concurrency: int = 64
+    # How a chat reply's tool calls are read into message.tool_calls (a request with tools, on the servers' and the
+    # agents' OpenAI routes): hermes (<tool_call> blocks: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3.1-3.3's JSON
+    # calls), mistral ([TOOL_CALLS] and a JSON list), or auto: whichever of them the reply is written in.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = "auto"
     # Seconds one episode may take; past it the episode is lost (agent/failed_frac).
     agent_timeout_s: float = 600.0
     # The fraction of a step's episodes that may be lost; more stops the run (its finished steps checkpointed).

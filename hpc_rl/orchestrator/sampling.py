@@ -128,7 +128,8 @@ class Sampler:
         t0 = time.time()
         rows = [dataset.rows[i] for i in idx for _ in range(n)]
         if self.agents is not None:
-            defaults = Defaults(params.max_new_tokens, params.temperature, params.top_p, params.top_k)
+            defaults = Defaults(params.max_new_tokens, params.temperature, params.top_p, params.top_k,
+                                self.cfg.rollout.tool_call_parser)
             episodes = self.agents.run(rows, step, seeds.turn, defaults)
             batch, texts, turn_stats = agent_batch(episodes, rows, n, step, [dataset.token_ids[i] for i in idx],
                                                    self.tokenizer)

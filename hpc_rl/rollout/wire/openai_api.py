@@ -38,16 +38,18 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 @dataclass
 class Defaults:
-    """The run's sampling settings: what a request that leaves a field out gets."""
+    """The run's sampling settings: what a request that leaves a field out gets; and how a chat reply's tool calls
+    are read (rollout.tool_call_parser)."""
 
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    tool_call_parser: str = "auto"
 
     @classmethod
     def of(cls, rollout) -> Defaults:
-        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k)
+        return cls(rollout.max_new_tokens, rollout.temperature, rollout.top_p, rollout.top_k, rollout.tool_call_parser)
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Request:
     include_usage: bool = False  # stream_options.include_usage: a last event with the usage
     tools: list[dict] | None = None  # a chat request's tools, as the chat template rendered them
     parse_tools: bool = False  # the completion's tool calls become message.tool_calls (tool_choice auto)
+    tool_call_parser: str = "auto"  # ... read by this parser (tool_calls.TOOL_CALL_PARSERS or auto)
 
 
 class Streamed(dict):
@@ -189,7 +192,7 @@ def parse_chat(body: Any, render: Callable[[list[dict], list[dict] | None], list
     if top not in (None, 0):
         raise BadRequest(f"top_logprobs: {top} alternatives are not served; send 0 or leave it out")
     return Request(prompts, params, lp, bool(body.get("return_token_ids", False)), *_stream_fields(body), tools,
-                   parse_tools)
+                   parse_tools, defaults.tool_call_parser)
 
 
 def _usage(req: Request, outputs: list[list[SampleOut]]) -> dict:
@@ -246,7 +249,7 @@ def assistant_message(req: Request, text: str) -> dict:
     """The reply's message: its text, or with tools its tool calls and the text around them."""
     if not req.parse_tools:
         return {"role": "assistant", "content": text}
-    content, calls = parse_tool_calls(text)
+    content, calls = parse_tool_calls(text, req.tool_call_parser)
     return {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
 
 
