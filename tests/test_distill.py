@@ -14,7 +14,7 @@ import requests
 import torch
 
 from hpc_rl import config
-from hpc_rl.algos.distill import distill_advantages, reverse_kl, topk_forward_kl
+from hpc_rl.algos.distill import distill_advantages, reverse_kl, topk_forward_kl, without_unknown_tokens
 from hpc_rl.config import TinyModelConfig
 from hpc_rl.metrics import read_metrics
 from hpc_rl.models.tiny import build_tiny_model
@@ -63,6 +63,14 @@ def test_the_topk_term_is_the_forward_kl_from_the_teachers_renormalized_top_k():
     torch.testing.assert_close(got, torch.tensor([want]))
     # at temperature 2 the teacher's 0.5 and 0.125 become sqrt: 0.707, 0.354 -> 2/3, 1/3 again
     torch.testing.assert_close(topk_forward_kl(student, teacher, temperature=2.0)[0, 2], torch.tensor(want[0]))
+    # a teacher id past the student's vocabulary (a further-padded embedding) is dropped: the rest renormalized
+    ids, lp = without_unknown_tokens(torch.tensor([[[3, 9], [9, 4]]]), torch.tensor([[[log(0.5), log(0.25)]] * 2]), 8)
+    assert ids.tolist() == [[[3, 0], [0, 4]]] and lp[0, 0, 1] == float("-inf") and lp[0, 1, 0] == float("-inf")
+    s = torch.tensor([[[log(0.4), log(0.3)], [log(0.4), log(0.3)]]], requires_grad=True)
+    got = topk_forward_kl(s, lp)
+    torch.testing.assert_close(got, torch.tensor([[-log(0.4), -log(0.3)]]))  # all of q on the one known token
+    got.sum().backward()
+    assert torch.isfinite(s.grad).all() and s.grad[0, 0, 1] == 0 and s.grad[0, 1, 0] == 0
 
 
 def test_the_students_topk_logprobs_come_from_the_same_forward(tmp_path):

@@ -44,4 +44,15 @@ def topk_forward_kl(student_top_logprobs: torch.Tensor, teacher_top_logprobs: to
     Zero only when the student puts all its mass on those k tokens in the teacher's proportions: mass outside them
     counts as distance (sum_k q (log q - log p) = KL(q || p/Z) - log Z, Z the student's mass on them)."""
     log_q = torch.log_softmax(teacher_top_logprobs.float() / temperature, dim=-1)
-    return (log_q.exp() * (log_q - student_top_logprobs)).sum(-1)
+    q = log_q.exp()
+    # A token the teacher gives no mass (-inf: see without_unknown_tokens) adds nothing, rather than 0 * inf.
+    return torch.where(q > 0, q * (log_q - student_top_logprobs), 0.0).sum(-1)
+
+
+def without_unknown_tokens(top_ids: torch.Tensor, top_logprobs: torch.Tensor,
+                           vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's top-k with the ids the student has no logit for (a teacher of the same tokenizer whose
+    embedding is padded further, as Qwen2.5-7B's 152,064 rows against 0.5B's 151,936) dropped: id 0, log-prob -inf,
+    so they weigh nothing in topk_forward_kl."""
+    unknown = top_ids >= vocab
+    return top_ids.masked_fill(unknown, 0), top_logprobs.masked_fill(unknown, float("-inf"))

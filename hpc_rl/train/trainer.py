@@ -19,7 +19,7 @@ import torch
 
 from .. import checkpoints
 from ..algos.correction import truncated_is_weights
-from ..algos.distill import distill_advantages, reverse_kl
+from ..algos.distill import distill_advantages, reverse_kl, without_unknown_tokens
 from ..algos.estimators import AdvantageInputs, compute_advantages
 from ..algos.kl import apply_kl_to_rewards, kl_estimate, make_kl_controller
 from ..algos.utils import masked_mean
@@ -204,8 +204,10 @@ class Trainer:
             teacher_lp = pad_rows(mine.teacher_logprobs, width).to(dist.device)
         if mine.teacher_top_ids is not None:
             k = self.cfg.algorithm.distill.top_k
-            top_ids = pad_top_rows(mine.teacher_top_ids, width, k, torch.long).to(dist.device)
-            top_lp = pad_top_rows(mine.teacher_top_logprobs, width, k).to(dist.device)
+            top_ids, top_lp = without_unknown_tokens(pad_top_rows(mine.teacher_top_ids, width, k, torch.long),
+                                                     pad_top_rows(mine.teacher_top_logprobs, width, k),
+                                                     self.actor.module.config.vocab_size)
+            top_ids, top_lp = top_ids.to(dist.device), top_lp.to(dist.device)
         self.reset_token_counts()
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),
                      rollout_lp.to(dist.device), mini_batch // dist.world_size, episodes, teacher_lp, top_ids, top_lp)
