@@ -191,8 +191,6 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
     """log softmax(logits / temperature)[labels] and the entropies, [B, R, V] -> [B, R] (labels [B, R]) or
     [B, R, C] (labels [B, R, C]: C tokens per position), in fp32 chunks."""
     B, R, V = logits.shape
-    several = labels.dim() == 3
-    labels = labels if several else labels.unsqueeze(-1)
     step = max(1, LOGIT_CHUNK_BYTES // (4 * V))
     # Recomputing a chunk in backward costs a softmax; it only pays where the whole would not fit a chunk.
     recompute = torch.is_grad_enabled() and logits.requires_grad and B * R > step
@@ -203,12 +201,12 @@ def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: floa
             lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args)
             lps.append(lp)
             ents.append(ent)
-    logp = torch.cat(lps).view(B, R, labels.shape[-1])
-    return (logp if several else logp[..., 0]), (torch.cat(ents).view(B, R) if with_entropy else None)
+    logp = torch.cat(lps).view(B, R, *labels.shape[2:])
+    return logp, (torch.cat(ents).view(B, R) if with_entropy else None)
 
 
 def _chunk_logprobs(z: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
-    """[N, V] logits, [N, C] labels -> [N, C] log-probs, [N] entropies (or a zero-size placeholder)."""
+    """[N, V] logits, [N] or [N, C] labels -> their log-probs, and [N] entropies (or a zero-size placeholder)."""
     z = z.float()
     if temperature != 1.0:
         z = z / temperature

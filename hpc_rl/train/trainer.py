@@ -197,8 +197,8 @@ class Trainer:
             masks = without_truncated(mine.responses, mine.truncated, masks)
         packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
         all_scores = torch.tensor(scores, dtype=torch.float32)
-        rollout_lp = pad_rows(mine.rollout_logprobs, packed.responses.shape[1])
         width = packed.responses.shape[1]
+        rollout_lp = pad_rows(mine.rollout_logprobs, width)
         teacher_lp = top_ids = top_lp = None
         if mine.teacher_logprobs is not None:
             teacher_lp = pad_rows(mine.teacher_logprobs, width).to(dist.device)

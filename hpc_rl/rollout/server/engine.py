@@ -80,14 +80,15 @@ class Engine(abc.ABC):
         whatever else the batch holds."""
 
     @abc.abstractmethod
+    def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                            cancel: threading.Event | None = None) -> TopLogprobs:
+        """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix, and (k > 0) at each of those positions
+        the k likeliest tokens and their raw log-probs."""
+
     def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
                         cancel: threading.Event | None = None) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
-
-    def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                            cancel: threading.Event | None = None) -> TopLogprobs:
-        """prompt_logprobs, and at each of those positions the k likeliest tokens and their raw log-probs."""
-        raise NotImplementedError(f"{type(self).__name__} does not return top-k log-probs")
+        return self.prompt_top_logprobs(token_ids, prompt_lens, 0, cancel).logprobs
 
     async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                              cancel: threading.Event | None = None) -> list[list[SampleOut]]:
@@ -98,7 +99,7 @@ class Engine(abc.ABC):
     async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
                                     cancel: threading.Event | None = None) -> list[list[float]]:
         """prompt_logprobs for a caller on an event loop (as generate_async)."""
-        return await asyncio.to_thread(self.prompt_logprobs, token_ids, prompt_lens, cancel)
+        return (await self.prompt_top_logprobs_async(token_ids, prompt_lens, 0, cancel)).logprobs
 
     async def prompt_top_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
                                         cancel: threading.Event | None = None) -> TopLogprobs:

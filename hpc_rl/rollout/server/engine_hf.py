@@ -193,10 +193,6 @@ class HFEngine(Engine):
             tok[r] = torch.multinomial(probs[r], 1, generator=gens[r])[0]
         return tok
 
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
-                        cancel: threading.Event | None = None) -> list[list[float]]:
-        return self.prompt_top_logprobs(token_ids, prompt_lens, 0, cancel).logprobs
-
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
                             cancel: threading.Event | None = None) -> TopLogprobs:
         out = TopLogprobs([], [], [])

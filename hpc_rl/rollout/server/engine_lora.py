@@ -62,17 +62,11 @@ class LoraMergingEngine(Engine):
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None) -> list[list[SampleOut]]:
         return self.inner.generate(prompt_token_ids, params, cancel)
 
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], cancel=None) -> list[list[float]]:
-        return self.inner.prompt_logprobs(token_ids, prompt_lens, cancel)
-
     def prompt_top_logprobs(self, token_ids, prompt_lens, k, cancel=None):
         return self.inner.prompt_top_logprobs(token_ids, prompt_lens, k, cancel)
 
     async def generate_async(self, prompt_token_ids, params, cancel=None):
         return await self.inner.generate_async(prompt_token_ids, params, cancel)
-
-    async def prompt_logprobs_async(self, token_ids, prompt_lens, cancel=None):
-        return await self.inner.prompt_logprobs_async(token_ids, prompt_lens, cancel)
 
     async def prompt_top_logprobs_async(self, token_ids, prompt_lens, k, cancel=None):
         return await self.inner.prompt_top_logprobs_async(token_ids, prompt_lens, k, cancel)

@@ -3,7 +3,7 @@
 AsyncLLM rather than the offline LLM: concurrent requests are batched together in the running engine (the
 offline LLM is not thread-safe and batches one call at a time). Its event loop runs on a thread of its own
 (`loop`); the rollout server serves HTTP on that same loop, so its endpoints await generate_async /
-prompt_logprobs_async directly. The synchronous Engine methods (offline use, weight loads from worker
+prompt_top_logprobs_async directly. The synchronous Engine methods (offline use, weight loads from worker
 threads) submit coroutines to the loop.
 
 Weights reach vLLM's worker process (not this one) as a safetensors file in /dev/shm whose path goes
@@ -210,13 +210,6 @@ class VLLMEngine(Engine):
                 samples.append(SampleOut(token_ids=toks, logprobs=lps, finish_reason=_finish(c.finish_reason)))
             result.append(samples)
         return result
-
-    def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], cancel=None) -> list[list[float]]:
-        return self._run(self.prompt_logprobs_async(token_ids, prompt_lens))
-
-    async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
-                                    cancel=None) -> list[list[float]]:
-        return (await self.prompt_top_logprobs_async(token_ids, prompt_lens, 0)).logprobs
 
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
                             cancel=None) -> TopLogprobs:

@@ -295,18 +295,13 @@ class RolloutService:
         with self._admitted():
             async with self.weight_gate.generating():
                 try:
-                    if top_k:
-                        top = await self.engine.prompt_top_logprobs_async(toks, lens, top_k, cancel)
-                        check_finite(top.logprobs, "logprobs")
-                        check_finite([row for rows in top.top_logprobs for row in rows], "top_logprobs")
-                        lps = top.logprobs
-                    else:
-                        lps = await self.engine.prompt_logprobs_async(toks, lens, cancel)
-                        check_finite(lps, "logprobs")
+                    top = await self.engine.prompt_top_logprobs_async(toks, lens, top_k, cancel)
+                    check_finite(top.logprobs, "logprobs")
+                    check_finite([row for rows in top.top_logprobs for row in rows], "top_logprobs")
                 except PolicyNotFinite as e:
                     raise self._not_finite(e) from None
                 version = self.policy_version
-        out = {"policy_version": version, "logprobs": lps}
+        out = {"policy_version": version, "logprobs": top.logprobs}
         if top_k:
             out.update(top_ids=top.top_ids, top_logprobs=top.top_logprobs)
         return out
