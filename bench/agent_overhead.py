@@ -33,34 +33,32 @@ SIDES = {"native": [],
 
 
 def sdk_ms_per_call(calls: int = 256, rounds: int = 3) -> float:
-    """The openai SDK's own CPU per call: `calls` concurrent completions through AsyncOpenAI clients sharing one
-    httpx client whose transport answers a canned completion in-process (no front, no server, no engine), as the
-    agent path's clients do. The median over `rounds` after a warm-up round, in ms per call: the floor of what an
-    agent's call can cost here, whatever the front does."""
+    """The openai SDK's own CPU per call, through the clients hpc-rl gives agents (agent_clients: the in-process
+    httpx client, one client copy per episode) but with a front that answers a canned completion at once (no
+    recording, no server, no engine): `calls` concurrent completions, the median over `rounds` after a warm-up
+    round, in ms per call. The floor of what an agent's call can cost here, whatever the front does."""
     import asyncio
     import time
 
-    import httpx
-    import openai
+    from hpc_rl.orchestrator.agent_clients import EpisodeClients, in_process_client
 
-    body = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
-                       "choices": [{"index": 0, "text": " 3 4", "finish_reason": "stop", "logprobs": None}],
-                       "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}).encode()
+    body = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
+            "choices": [{"index": 0, "text": " 3 4", "finish_reason": "stop", "logprobs": None}],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
 
-    class Canned(httpx.AsyncBaseTransport):
-        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-            await request.aread()
-            return httpx.Response(200, content=body, headers={"content-type": "application/json"})
+    class CannedFront:
+        def request(self, method, path, auth, raw):
+            return 200, body, None
 
     async def measure() -> list[float]:
         out = []
-        async with httpx.AsyncClient(transport=Canned()) as http:
+        async with in_process_client(CannedFront(), 60) as http:
+            clients = EpisodeClients(http, "k")
             for _ in range(rounds + 1):
                 t0 = time.perf_counter()
-                clients = [openai.AsyncOpenAI(base_url=f"http://front/e/{i}/v1", api_key="k", http_client=http,
-                                              max_retries=0) for i in range(calls)]
+                episode = [clients(f"http://front/e/{i}/v1") for i in range(calls)]
                 await asyncio.gather(*[c.completions.create(model="m", prompt="copy 1 2 :", max_tokens=6)
-                                       for c in clients])
+                                       for c in episode])
                 out.append((time.perf_counter() - t0) / calls * 1000)
         return out[1:]
 

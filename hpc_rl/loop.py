@@ -182,6 +182,12 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
                                     "(or check the reward scale)") from None
             return
         learner.step = step + 1
+        if learner.step == first_step + 1:
+            # What the first step loaded lives as long as the run as well (the agents' openai SDK, templates,
+            # tokenizers' and torch's lazy parts: ~140k objects with an agent): frozen with the rest, the step's
+            # collections do not scan it again (a full one paused an agent step ~0.08 s).
+            gc.collect()
+            gc.freeze()
         if cfg.trainer.stop_at:  # rank 0 decides; every rank stops at the same step
             why = None
             if dist.is_main:

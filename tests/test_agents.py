@@ -237,6 +237,66 @@ def test_the_agent_front_over_http_with_the_openai_sdk(srv):
         front.shutdown()
 
 
+def test_the_in_process_clients_answer_as_the_front_does_over_http(srv):
+    """What AgentRollout hands an agent: each episode's client its own base URL and resources (copies of one
+    template), the models list, a streamed chat call recorded for its episode, the raw response, a finished
+    episode's client refused with one line, and a wrong API key refused, all without a socket."""
+    import asyncio
+
+    import openai
+
+    from hpc_rl.orchestrator.agent_clients import EpisodeClients, in_process_client
+    from hpc_rl.rollout.wire.openai_api import Defaults
+
+    agents, tok, _ = _agents(srv, "tests.test_agents:two_call_agent")
+    front = agents.front
+    messages = [{"role": "user", "content": "1 + 1"}]
+
+    async def play():
+        async with in_process_client(front, 30) as http:
+            clients = EpisodeClients(http, srv.run.read_token())
+            a, b = clients(front.url("a")), clients(front.url("b"))
+            assert str(a.base_url) == front.url("a") + "/" and str(b.base_url) == front.url("b") + "/"
+            assert a.chat is not b.chat and a.chat._client is a and clients.template.base_url != a.base_url
+            assert [m.id for m in (await a.models.list()).data] == ["m"]
+            front.open("a", lambda k: 5 + k, Defaults(3), 0)
+            stream = await a.chat.completions.create(model="m", messages=messages, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            raw = await a.completions.with_raw_response.create(model="m", prompt="1 + 1")
+            assert raw.headers["content-type"].startswith("application/json") and raw.parse().choices[0].text
+            calls = front.close("a")
+            with pytest.raises(openai.BadRequestError, match="episode a: not running"):
+                await a.chat.completions.create(model="m", messages=messages)
+            wrong = openai.AsyncOpenAI(base_url=front.url("a"), api_key="wrong", http_client=http, max_retries=0)
+            with pytest.raises(openai.AuthenticationError, match="run token"):
+                await wrong.models.list()
+            return text, calls
+
+    try:
+        text, calls = asyncio.run(play())
+    finally:
+        front.shutdown()
+    assert len(calls) == 2 and text == tok.decode(calls[0].completion_ids, skip_special_tokens=True)
+
+
+def test_short_gil_turns_restore_the_interval_once_the_last_user_ends():
+    """Training's and an evaluation's episodes may overlap: the interval is short while either runs and Python's
+    own again after both."""
+    import sys
+
+    from hpc_rl.orchestrator.agent_clients import GIL_TURN_S, short_gil_turns
+
+    before = sys.getswitchinterval()
+    first, second = short_gil_turns(), short_gil_turns()
+    first.__enter__()
+    second.__enter__()
+    assert sys.getswitchinterval() == min(GIL_TURN_S, before)
+    first.__exit__(None, None, None)
+    assert sys.getswitchinterval() == min(GIL_TURN_S, before)
+    second.__exit__(None, None, None)
+    assert sys.getswitchinterval() == before
+
+
 def test_an_agent_with_tools_stays_one_sequence_and_a_forced_call_is_refused(srv):
     """Chat calls with `tools`: the template renders them into the prompt (the recorded prompt ids hold the tool's
     description), a call that sends the reply back as the SDK returned it continues the same sample, and
