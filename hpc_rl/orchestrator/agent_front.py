@@ -15,6 +15,7 @@ reply's text tokenized again. So an agent that appends is one sequence on the en
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -63,7 +64,8 @@ class _Pending:
     prompt: list[int]
     params: SamplingParams
     step: int
-    future: Future
+    future: Future  # a thread's call (concurrent.futures), or an in-process call's asyncio future on `loop`
+    loop: asyncio.AbstractEventLoop | None = None
 
 
 class AgentFront:
@@ -129,15 +131,16 @@ class AgentFront:
 
     def call(self, episode: str, route: str, body) -> dict:
         """A chat or text completion for `episode`, recorded; BadRequest for what the agent got wrong."""
-        ep, req, msgs, fut = self._begin(episode, route, body)
+        fut: Future = Future()
+        ep, req, msgs = self._begin(episode, route, body, fut, None)
         return self._end(ep, route, req, msgs, *fut.result())
 
     async def acall(self, episode: str, route: str, body) -> dict:
         """`call` for an agent's in-process client: the event loop goes on while the wave is generated."""
-        import asyncio
-
-        ep, req, msgs, fut = self._begin(episode, route, body)
-        return self._end(ep, route, req, msgs, *await asyncio.wrap_future(fut))
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        ep, req, msgs = self._begin(episode, route, body, fut, loop)
+        return self._end(ep, route, req, msgs, *await fut)
 
     def request(self, method: str, path: str, auth: str, raw: bytes) -> tuple[int, dict, tuple | None]:
         """An HTTP request as (status, error body, None), or (200, {}, (episode, route, body)) to be answered by
@@ -161,7 +164,7 @@ class AgentFront:
             return _error(400, f"body: not JSON ({first_line(e)})")
         return 200, {}, (episode, route, body)
 
-    def _begin(self, episode: str, route: str, body):
+    def _begin(self, episode: str, route: str, body, fut, loop):
         with self._lock:
             ep = self._episodes.get(episode)
         if ep is None:
@@ -195,12 +198,11 @@ class AgentFront:
             ep.issued += 1
         params = dataclasses.replace(req.params, stop_token_ids=list(self.stop_ids), seed=None,
                                      seeds=[ep.seed_of_call(k)])
-        fut: Future = Future()
         with self._lock:
             ep.waiting += 1
-            self._pending.append(_Pending(req.prompts[0], params, ep.step, fut))
+            self._pending.append(_Pending(req.prompts[0], params, ep.step, fut, loop))
             self._lock.notify_all()
-        return ep, req, msgs, fut
+        return ep, req, msgs
 
     def _end(self, ep: Episode, route: str, req, msgs: list[dict], out, version) -> dict:
         call = Call(list(req.prompts[0]), list(out.token_ids), list(out.logprobs), int(version), out.finish_reason)
@@ -291,8 +293,7 @@ class AgentFront:
                 while not self._pending and not self._closed:
                     self._lock.wait()
                 if self._closed:
-                    for p in self._pending:
-                        p.future.set_exception(HpcRlError("the run's agent front closed"))
+                    _settle(self._pending, [HpcRlError("the run's agent front closed")] * len(self._pending))
                     return
                 deadline = time.monotonic() + GATHER_S
                 while not self._closed and not all(e.waiting > 0 for e in self._episodes.values()):
@@ -317,13 +318,40 @@ class AgentFront:
         except BaseException as e:  # every call of the wave fails with the cause (the agent sees an API error)
             if isinstance(e, RolloutError):  # no server answered: the run's wait for servers, not the agent's loss
                 self.server_error = e
-            for p in wave:
-                p.future.set_exception(e)
+            _settle(wave, [e] * len(wave))
             return
         finally:
             self._slots.release()
-        for p, outs, version in zip(wave, res.outputs, res.policy_versions):
-            p.future.set_result((outs[0], version))
+        _settle(wave, [(outs[0], version) for outs, version in zip(res.outputs, res.policy_versions)])
+
+
+def _settle(calls: list[_Pending], outcomes: list) -> None:
+    """Each call's result (or exception). An in-process call's future is its event loop's: the outcomes of a wave
+    reach each loop in one callback, not a wake-up of the loop per call."""
+    by_loop: dict = {}
+    for p, out in zip(calls, outcomes):
+        if p.loop is None:
+            if isinstance(out, BaseException):
+                p.future.set_exception(out)
+            else:
+                p.future.set_result(out)
+        else:
+            by_loop.setdefault(p.loop, []).append((p.future, out))
+    for loop, items in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle_on_loop, items)
+        except RuntimeError:  # the loop closed (its episodes timed out and the step went on): nobody awaits them
+            pass
+
+
+def _settle_on_loop(items: list) -> None:
+    for fut, out in items:
+        if fut.done():  # cancelled: its episode timed out
+            continue
+        if isinstance(out, BaseException):
+            fut.set_exception(out)
+        else:
+            fut.set_result(out)
 
 
 def _error(status: int, message: str) -> tuple[int, dict, None]:
