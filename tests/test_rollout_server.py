@@ -362,6 +362,23 @@ def test_weight_push_collective(srv):
     assert not srv.s.get(srv.url + "/collective/status", timeout=5).json()["joined"]
 
 
+def test_the_collective_is_not_picked_for_a_server_on_the_trainers_own_gpu(srv):
+    """NCCL refuses a group with two ranks on one GPU (one GPU shared by the trainer and an HF server): auto sends
+    over HTTP then, and an explicit collective is a one-line error naming why. The CPU server says it has no GPU."""
+    from hpc_rl.rollout.client.weight_push import collective_problems
+
+    info = srv.s.get(srv.url + "/collective/info", timeout=5).json()
+    assert info["device"] == "cpu" and info["gpu_uuid"] is None
+    gpu = {"device": "cuda:0", "gpu_uuid": "GPU-a"}
+    assert collective_problems([("http://s1", info)], "cpu", None) == []
+    assert collective_problems([("http://s1", gpu), ("http://s2", {"device": "cuda", "gpu_uuid": "GPU-b"})],
+                               "cuda", "GPU-b") == [
+        "http://s2 serves on the trainer's own GPU (GPU-b), and NCCL does not join two processes on one GPU"]
+    assert collective_problems([("http://s1", gpu), ("http://s2", None)], "cpu", None) == [
+        "http://s1 serves on cuda but the trainer runs on cpu", "http://s2 does not offer /collective"]
+    assert collective_problems([("http://s1", {"device": "cuda"})], "cuda", "GPU-a") == []  # vLLM: its workers'
+
+
 def test_bad_weights_leave_the_model_unchanged(srv):
     before = served_logprobs(srv.url, srv.s, 30)
     version = srv.s.get(srv.url + "/version", timeout=5).json()["policy_version"]

@@ -31,6 +31,32 @@ def collective_info(srv: Server) -> dict | None:
     return r.json() if r.status_code == 200 else None
 
 
+def trainer_gpu_uuid() -> str | None:
+    """The UUID of the GPU this process (rank 0, which pushes) computes on."""
+    import torch
+
+    from ..wire.collective import gpu_uuid
+
+    return gpu_uuid(f"cuda:{torch.cuda.current_device()}") if torch.cuda.is_available() else None
+
+
+def collective_problems(infos: list[tuple[str, dict | None]], kind: str, trainer_gpu: str | None) -> list[str]:
+    """Why the collective cannot reach these servers ((url, /collective/info or None) each) from a trainer on `kind`
+    ("cpu"/"cuda") whose GPU is `trainer_gpu`; [] when it can."""
+    problems = []
+    for url, info in infos:
+        if info is None:
+            problems.append(f"{url} does not offer /collective")
+            continue
+        their = "cuda" if str(info.get("device", "cpu")).startswith("cuda") else "cpu"
+        if their != kind:
+            problems.append(f"{url} serves on {their} but the trainer runs on {kind}")
+        elif trainer_gpu is not None and info.get("gpu_uuid") == trainer_gpu:
+            problems.append(f"{url} serves on the trainer's own GPU ({trainer_gpu}), and NCCL does not join two "
+                            "processes on one GPU")
+    return problems
+
+
 class WeightPush:
     """rollout.weight_sync's transport over the pool's healthy servers; `push` returns {"seconds", "bytes",
     "transport"}."""
@@ -89,15 +115,8 @@ class WeightPush:
         if self.weight_sync in ("http", "file"):
             return self.weight_sync
         kind = "cuda" if str(self.trainer_device).startswith("cuda") else "cpu"
-        problems = []
-        for srv in servers:
-            info = collective_info(srv)
-            if info is None:
-                problems.append(f"{srv.url} does not offer /collective")
-                continue
-            their = "cuda" if str(info.get("device", "cpu")).startswith("cuda") else "cpu"
-            if their != kind:
-                problems.append(f"{srv.url} serves on {their} but the trainer runs on {kind}")
+        mine = trainer_gpu_uuid() if kind == "cuda" else None
+        problems = collective_problems([(srv.url, collective_info(srv)) for srv in servers], kind, mine)
         if not problems:
             log.info("weight sync: collective (%s) to %d server(s)", "nccl" if kind == "cuda" else "gloo",
                      len(servers))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ...errors import first_line
-from ..wire.collective import CollectiveError, dtype_name, join_group, leave_group, receive_buckets
+from ..wire.collective import CollectiveError, dtype_name, gpu_uuid, join_group, leave_group, receive_buckets
 
 log = logging.getLogger("hpc_rl")
 
@@ -157,7 +157,7 @@ def register_server_routes(service) -> None:
         specs = target.param_specs()
         dtypes = sorted({dtype_name(d) for _, d in specs.values()})
         return {"workers": target.collective_workers(), "dtype": dtypes[0] if len(dtypes) == 1 else None,
-                "device": _engine_device(engine)}
+                "device": _engine_device(engine), "gpu_uuid": _in_process_gpu(engine)}
 
     def join(body) -> dict:
         d = body_of(body)
@@ -216,6 +216,13 @@ def register_server_routes(service) -> None:
     service.add_route("GET", "/collective/status", lambda _b: rs.snapshot())
     service.add_route("POST", "/collective/wait", wait)
     service.add_route("POST", "/collective/close", close)
+
+
+def _in_process_gpu(engine) -> str | None:
+    """The UUID of the GPU an engine computing in this process uses (HF: a torch.device); None for vLLM, whose GPUs
+    are its workers' (asking torch here would open a CUDA context in the API server)."""
+    dev = getattr(engine, "device", None)
+    return gpu_uuid(dev) if isinstance(dev, torch.device) else None
 
 
 def _engine_device(engine) -> str:

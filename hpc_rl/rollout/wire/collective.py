@@ -201,3 +201,14 @@ def broadcast_buckets(pg, plan: list, tensors: dict[str, torch.Tensor], version:
     except RuntimeError as e:  # gloo/NCCL: a peer left (it logs why) or the group timed out
         raise CollectiveError(f"weight sync: broadcast of version {version} failed "
                               f"({first_line(e)}); see the rollout server's log") from None
+
+
+def gpu_uuid(device) -> str | None:
+    """The UUID of the GPU `device` (a torch.device or "cuda:K") is in this process, or None (a CPU, or an engine
+    whose GPUs are its workers', as vLLM's): NCCL refuses a group with two ranks on one GPU, so the trainer compares
+    it with its own before it picks the collective."""
+    if device is None or not isinstance(device, (str, torch.device)) or not str(device).startswith("cuda"):
+        return None
+    if not torch.cuda.is_available():
+        return None
+    return str(torch.cuda.get_device_properties(torch.device(device)).uuid)
