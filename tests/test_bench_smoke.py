@@ -54,6 +54,24 @@ def test_gpu_check_says_no_gpu_here():
 
 
 @pytest.mark.slow
+def test_gpu_check_dry_runs_every_part_on_the_cpu(tmp_path):
+    """--dry: doctor, the model, a ZeRO-3 step, HF generation with the engine-vs-trainer log-prob comparison and a
+    2-step toy run through `hpc-rl run`, on the CPU, into $OUT: a lent GPU call then fails on nothing but the GPU."""
+    p = subprocess.run(["bash", str(REPO / "bench" / "gpu_check.sh"), "--dry"], capture_output=True, text=True,
+                       timeout=500, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path)})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads((tmp_path / "gpu_check_dry.json").read_text())
+    assert r["dry"] is True and "vLLM" in r["vllm"]
+    assert not [part for part in ("zero3", "generate", "toy") if "error" in r[part]], p.stdout[-3000:]
+    assert r["zero3"]["step_s"] > 0 and r["zero3"]["ranks"] == 1
+    g = r["generate"]
+    # fp32 on the CPU: the engine's and the trainer's log-probs of the same tokens agree to rounding
+    assert g["tokens"] == g["logprob_tokens"] > 0 and g["logprob_abs_diff_max"] < 1e-4
+    t = r["toy"]
+    assert t["steps"] == 2 and t["push_bytes"] > 0 and t["push_transport"].startswith("collective (gloo)")
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="needs the bench extra: pip install -e '.[bench]'")
 def test_trl_reference_side_runs_one_step(tmp_path):
     model = _common.build_model(_common.SMALL, tmp_path / "model")
