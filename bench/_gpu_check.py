@@ -167,7 +167,7 @@ def merge(work: Path, results: Path, dry: bool) -> None:
     out = {"dry": dry, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg()}
     for part in ("zero3", "generate", "toy"):
         f = work / f"{part}.json"
-        out[part] = json.loads(f.read_text()) if f.exists() else {"error": "did not finish (see the output above)"}
+        out[part] = json.loads(f.read_text()) if f.exists() else {"error": "did not finish, or not run yet (see the output)"}
     out["vllm"] = "not measured: vLLM's wheel is far over what a lent call carries; generation used the HF engine"
     results.mkdir(parents=True, exist_ok=True)
     path = results / ("gpu_check_dry.json" if dry else "gpu_check.json")

@@ -6,7 +6,8 @@
 #   bash bench/gpu_check.sh          # there, with the machine's python3 (or .venv/bin/python where it exists)
 #   bash bench/gpu_check.sh --dry    # here: every part on the CPU, small (the suite runs it)
 #
-# Parts, each with its own timeout (a part that fails is recorded as such and the others still run):
+# Parts, each with its own timeout within the check's budget (GPU_CHECK_BUDGET_S, default 450 s; a part that fails
+# or runs out of time is recorded as such, the others still run, and the results file is rewritten after each):
 #   doctor    hpc-rl doctor's checks (GPU, CUDA, NCCL, versions)
 #   zero3     a DeepSpeed ZeRO-3 bf16 fwd/bwd/step of Qwen2.5-0.5B's shape (random init): step time, tokens/s, MFU
 #   generate  HF-engine generation tokens/s (bf16), and engine vs trainer log-probs of 8k sampled tokens (mean and
@@ -54,26 +55,32 @@ fi
 WORK=$(mktemp -d /tmp/gpu-check-XXXX)
 trap 'rm -rf "$WORK"' EXIT
 PART="$PY $REPO/bench/_gpu_check.py"
+DEADLINE=$((SECONDS + ${GPU_CHECK_BUDGET_S:-450}))
+# A part's timeout: its own cap, or what is left of the budget (15 s kept for the results file).
+cap() { local left=$((DEADLINE - SECONDS - 15)); if [ "$left" -lt "$1" ]; then echo $((left > 1 ? left : 1)); else echo "$1"; fi; }
+merge() { $PART merge "$WORK" "$RESULTS" $DRY > /dev/null; }
 "$PY" -c 'import sys, torch; print(f"gpu_check: Python {sys.version.split()[0]}, torch {torch.__version__}")'
 
 echo "== doctor"
-timeout 120 "$PY" -m hpc_rl.cli doctor || echo "(doctor reported problems: see above)"
+timeout "$(cap 60)" "$PY" -m hpc_rl.cli doctor || echo "(doctor reported problems: see above)"
 
 echo "== model"
-timeout 120 $PART model "$WORK" $DEVICE || { echo "gpu_check: the model could not be built"; exit 1; }
+timeout "$(cap 90)" $PART model "$WORK" $DEVICE || { echo "gpu_check: the model could not be built"; merge; exit 1; }
 
 echo "== zero3"
-timeout 240 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$REPO/bench/_gpu_check.py" zero3 "$WORK" \
-  $DEVICE || echo "(zero3 failed: see above)"
+timeout "$(cap 150)" "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 "$REPO/bench/_gpu_check.py" zero3 \
+  "$WORK" $DEVICE || echo "(zero3 failed or ran out of time: see above)"
+merge
 
 echo "== generate"
-timeout 150 $PART generate "$WORK" $DEVICE || echo "(generate failed: see above)"
+timeout "$(cap 100)" $PART generate "$WORK" $DEVICE || echo "(generate failed or ran out of time: see above)"
+merge
 
 echo "== toy"
 STEPS=10
 [ "$DRY" = 1 ] && STEPS=2
-timeout 200 "$PY" -m hpc_rl.cli run "$REPO/jobs/toy-grpo-cpu.yaml" "trainer.steps=$STEPS" trainer.procs_per_node=1 \
-  "trainer.device=$DEVICE" checkpoint.every=0 "output_dir=$WORK/runs" && \
-  timeout 60 $PART toy "$WORK" $DEVICE "$WORK/runs" || echo "(toy failed: see above)"
+timeout "$(cap 150)" "$PY" -m hpc_rl.cli run "$REPO/jobs/toy-grpo-cpu.yaml" "trainer.steps=$STEPS" \
+  trainer.procs_per_node=1 "trainer.device=$DEVICE" checkpoint.every=0 "output_dir=$WORK/runs" && \
+  timeout "$(cap 30)" $PART toy "$WORK" $DEVICE "$WORK/runs" || echo "(toy failed or ran out of time: see above)"
 
 $PART merge "$WORK" "$RESULTS" $DRY
