@@ -27,7 +27,6 @@ from .batch import RolloutBatch
 log = logging.getLogger("hpc_rl")
 
 
-
 def load_agent(spec: str, key: str = "rollout.agent"):
     """The agent function of `spec` (pkg.module:function); ConfigError naming `key` unless it is `async def`."""
     fn = load_reward_fn(spec, key)
