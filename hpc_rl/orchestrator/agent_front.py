@@ -331,27 +331,30 @@ def _settle(calls: list[_Pending], outcomes: list) -> None:
     by_loop: dict = {}
     for p, out in zip(calls, outcomes):
         if p.loop is None:
-            if isinstance(out, BaseException):
-                p.future.set_exception(out)
-            else:
-                p.future.set_result(out)
+            _deliver(p.future, out)
         else:
             by_loop.setdefault(p.loop, []).append((p.future, out))
     for loop, items in by_loop.items():
         try:
-            loop.call_soon_threadsafe(_settle_on_loop, items)
+            loop.call_soon_threadsafe(_deliver_all, items)
         except RuntimeError:  # the loop closed (its episodes timed out and the step went on): nobody awaits them
             pass
 
 
-def _settle_on_loop(items: list) -> None:
+def _deliver_all(items: list) -> None:
     for fut, out in items:
-        if fut.done():  # cancelled: its episode timed out
-            continue
-        if isinstance(out, BaseException):
-            fut.set_exception(out)
-        else:
-            fut.set_result(out)
+        _deliver(fut, out)
+
+
+def _deliver(fut, out) -> None:
+    """`out` (a result, or an exception to raise) into `fut`, a concurrent or an asyncio future, unless it is done
+    (an in-process call cancelled when its episode timed out)."""
+    if fut.done():
+        return
+    if isinstance(out, BaseException):
+        fut.set_exception(out)
+    else:
+        fut.set_result(out)
 
 
 def _error(status: int, message: str) -> tuple[int, dict, None]:
