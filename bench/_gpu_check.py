@@ -20,6 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 
 # bf16 dense peak per GPU (TFLOP/s), for MFU; PEAK_TFLOPS overrides.
 PEAKS = {"H200": 989, "H100": 989, "A100": 312, "L40S": 362, "A10": 125, "V100": 125, "L4": 121}
@@ -164,7 +165,9 @@ def toy(work: Path, device: str, run_root: str) -> None:
 
 
 def merge(work: Path, results: Path, dry: bool) -> None:
-    out = {"dry": dry, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "load_avg": os.getloadavg()}
+    from _common import machine
+
+    out = {"dry": dry, "machine": machine()}
     for part in ("zero3", "generate", "toy"):
         f = work / f"{part}.json"
         out[part] = json.loads(f.read_text()) if f.exists() else {"error": "did not finish, or not run yet (see the output)"}
