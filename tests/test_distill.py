@@ -214,13 +214,15 @@ def test_the_teacher_server_scores_like_its_model_and_refuses_weights(tmp_path):
 
 @pytest.mark.slow
 def test_a_student_distilled_from_the_sft_teacher_learns_in_half_the_steps_of_grpo(tmp_path):
-    """jobs/toy-distill-cpu.yaml as users run it (from the repository, its teacher and student built by the toy SFT
-    job): the student reaches the toys' criterion (last-5 mean rule reward >= 0.8, trainer.stop_at) in at most half
-    the steps GRPO on the rule reward takes from the same student at GRPO's own learning rate (measured: 13 against 36;
-    GRPO at the job's 2e-3 does not reach it in 60); the teacher served every step with its top 8 and never took
-    weights."""
+    """jobs/toy-distill-cpu.yaml as users run it, from an empty directory (its sft: paths are the checkout's): its
+    teacher and student built by the toy SFT job, the student reaches the toys' criterion (last-5 mean rule reward
+    >= 0.8, trainer.stop_at) in at most half the steps GRPO on the rule reward takes from the same student at GRPO's
+    own learning rate (measured: 13 against 36; GRPO at the job's 2e-3 does not reach it in 60); the teacher served
+    every step with its top 8 and never took weights."""
     stop = "trainer.stop_at={reward_mean: 0.8}"
-    p = hpc_rl("run", "jobs/toy-distill-cpu.yaml", f"output_dir={tmp_path / 'distill'}", stop, cwd=REPO)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    p = hpc_rl("run", REPO / "jobs" / "toy-distill-cpu.yaml", f"output_dir={tmp_path / 'distill'}", stop, cwd=elsewhere)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (run,) = list((tmp_path / "distill").iterdir())
     rows = read_metrics(run / "metrics.jsonl")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hpc_rl import config
 from hpc_rl.config.reward import JudgeConfig
@@ -116,16 +117,25 @@ def test_a_judge_at_a_url_checks_its_key_and_falls_back_on_garbage(tmp_path, mon
 
 @pytest.mark.slow
 def test_a_policy_rewarded_only_by_its_own_judge_learns_the_task(tmp_path):
-    """jobs/toy-judge-cpu.yaml as users run it: its judge is built by SFT (jobs/toy-judge-sft-cpu.yaml) and served by
+    """jobs/toy-judge-cpu.yaml as users run it, from an empty directory (the job's sft: paths resolve to the checkout's
+    jobs/, and the run's job.yaml holds them absolute): its judge is built by SFT (jobs/toy-judge-sft-cpu.yaml) and served by
     the run; GRPO on the judge's verdicts alone brings the rule that is never trained on (the monitor) to the toys'
     criterion (last 5 steps >= 0.7). The judge's statistics are in every step, it never takes weights, the evaluation
     files keep its answers, and `hpc-rl eval` of the last checkpoint starts the judge beside the policy."""
     import json
 
-    p = hpc_rl("run", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path}", "trainer.stop_at={monitor_mean: 0.7}",
-               "eval.every=10", cwd=REPO, env={"HPC_RL_DEBUG": "1"}, timeout=900)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    job = REPO / "jobs" / "toy-judge-cpu.yaml"
+    p = hpc_rl("run", job, f"output_dir={tmp_path / 'runs'}", "trainer.stop_at={monitor_mean: 0.7}",
+               "eval.every=10", cwd=elsewhere, env={"HPC_RL_DEBUG": "1"}, timeout=900)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    (run,) = list(tmp_path.iterdir())
+    (run,) = list((tmp_path / "runs").iterdir())
+    resolved = yaml.safe_load((run / "job.yaml").read_text())
+    # Both sft: specs (resolved against the checkout) were built and their models copied into the run.
+    assert resolved["model"]["path"] == str(run / "model-init"), resolved["model"]
+    assert resolved["services"]["judge"]["path"] == str(run / "judge-model"), resolved["services"]
+    assert (run / "model-init" / "config.json").is_file() and (run / "judge-model" / "config.json").is_file()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     monitor = [r["monitor_mean"] for r in rows]
     assert sum(monitor[-5:]) / 5 >= 0.7 and len(rows) < 60, monitor
@@ -147,7 +157,7 @@ def test_a_policy_rewarded_only_by_its_own_judge_learns_the_task(tmp_path):
     assert len(samples) == 20 and all({"judge_answer", "judge_score", "monitor"} <= set(x) for x in samples)
     assert all(x["score"] == x["judge_score"] for x in samples)
 
-    p = hpc_rl("eval", str(run), cwd=REPO, timeout=600)
+    p = hpc_rl("eval", str(run), cwd=elsewhere, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     (offline,) = list((run / "eval").glob("step_*.offline.jsonl"))
     samples = [json.loads(line) for line in offline.read_text().splitlines()]
@@ -158,8 +168,7 @@ def test_a_policy_rewarded_only_by_its_own_judge_learns_the_task(tmp_path):
     # An exported model evaluated with the job file: its judge (an sft: spec) is built or taken from the cache; a
     # judge that cannot start stops the evaluation with its error in one line, at once (not after the startup timeout)
     hf = sorted((run / "checkpoints").glob("step_*/hf"))[-1]
-    p = hpc_rl("eval", str(hf), "--job", "jobs/toy-judge-cpu.yaml", f"output_dir={tmp_path / 'model-eval'}", cwd=REPO,
-               timeout=600)
+    p = hpc_rl("eval", str(hf), "--job", job, f"output_dir={tmp_path / 'model-eval'}", cwd=elsewhere, timeout=600)
     assert p.returncode == 0 and "step 0: pass@1" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
     broken = tmp_path / "broken-judge"
     broken.mkdir()

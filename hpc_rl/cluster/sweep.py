@@ -29,6 +29,8 @@ from typing import Any
 import yaml
 
 from .. import config
+from ..config.loading import resolve_override
+from ..config.paths import resolve_value
 from ..errors import ClusterError, ConfigError
 from ..rundir import (
     DEFAULT_SWEEPS_DIR,
@@ -146,7 +148,9 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
         common = [f"{k}={_yaml_value(v)}" for k, v in common.items()]
     if not isinstance(common, list):
         raise ConfigError(f"{path}: overrides must be a list of KEY=VALUE or a mapping")
-    common = [str(x) for x in common] + list(extra_overrides or [])
+    # The sweep file's own paths are relative to it; the extra (CLI) overrides' to the current directory (load).
+    here = p.resolve().parent
+    common = [resolve_override(str(x), here) for x in common] + list(extra_overrides or [])
     seeds = data.get("seeds")
     if seeds is not None and (not isinstance(seeds, list) or not seeds
                               or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)):
@@ -160,7 +164,7 @@ def load_sweep(path: str | Path, extra_overrides: list[str] | None = None) -> Sw
             o = dict(ov)
             if seed is not None:
                 o["seed"] = seed
-            points.append(Point(len(points), o, _label(o)))
+            points.append(Point(len(points), {k: resolve_value(k, v, here) for k, v in o.items()}, _label(o)))
     gridded = {k for pt in points for k in pt.overrides}
     shadowed = sorted({o.split("=", 1)[0] for o in common if "=" in o} & gridded)
     if shadowed:  # a point's own value is applied after the common overrides, so theirs would never take effect

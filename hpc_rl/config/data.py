@@ -10,7 +10,8 @@ class DataConfig:
     """Prompt dataset: `toy:NAME`, a .jsonl/.parquet file, `hf:NAME` (an HF datasets name or folder), or
     `reasoning_gym:TASK[,TASK...]` (procedural tasks with their own scoring)."""
 
-    # Where the prompts come from: toy:NAME, a .jsonl/.parquet file, hf:NAME, or reasoning_gym:TASK[,TASK...].
+    # Where the prompts come from: toy:NAME, a .jsonl/.parquet file (relative: to the job file), hf:NAME, or
+    # reasoning_gym:TASK[,TASK...].
     source: str = "toy:repeat_digit"
     # The split of an hf: dataset.
     split: str = "train"

@@ -38,7 +38,7 @@ class JobConfig:
     name: str = "job"
     # Seed of data order, sampling and initialization.
     seed: int = 1
-    # Folder the run dirs go into.
+    # Folder the run dirs go into (a relative one: under the directory hpc-rl runs in, where `hpc-rl status` looks).
     output_dir: str = "runs"
     # The policy model.
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import math
 import types
@@ -16,6 +17,7 @@ import yaml
 
 from ..errors import ConfigError, first_line
 from .job import JobConfig, validate
+from .paths import PATH_KEYS, resolve_file_paths, resolve_value
 
 
 def type_name(tp: Any) -> str:
@@ -153,6 +155,19 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
+def resolve_override(text: str, base: Path) -> str:
+    """A dotted override `KEY=VALUE` whose path value is resolved against `base` (JSON is YAML: the value reads back
+    as the same string); other overrides as they are."""
+    if "=" not in text:
+        return text  # parse_override's error comes when the overrides are applied
+    path, value = parse_override(text)
+    key = ".".join(path)
+    if key not in PATH_KEYS:
+        return text
+    resolved = resolve_value(key, value, base)
+    return text if resolved == value else f"{key}={json.dumps(resolved)}"
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply dotted `key=value` overrides to a raw (not yet validated) config mapping."""
     for text in overrides:
@@ -180,8 +195,11 @@ def load_dict(data: dict, overrides: list[str] | None = None) -> JobConfig:
     return validate(cfg)
 
 
-def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
-    """Load a job spec YAML file, apply dotted overrides, validate; ConfigError on any problem."""
+def load(path: str | Path, overrides: list[str] | None = None, overrides_base: Path | None = None) -> JobConfig:
+    """Load a job spec YAML file, apply dotted overrides, validate; ConfigError on any problem.
+
+    The file's relative paths resolve against its own directory, the overrides' against `overrides_base` (default:
+    the current directory, where a shell's overrides are typed); config/paths.py says how."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"{path}: job spec not found; pass the path of a YAML file such as jobs/toy-grpo-cpu.yaml")
@@ -199,7 +217,10 @@ def load(path: str | Path, overrides: list[str] | None = None) -> JobConfig:
     if isinstance(data, dict) and "base" in data and ("grid" in data or "list" in data):
         raise ConfigError(f"{path}: this is a sweep file (base + grid/list), not a job spec: run it with "
                           f"`hpc-rl sweep {path}`, or pass its base job spec ({data['base']})")
-    return load_dict(data, overrides)
+    if isinstance(data, dict):
+        data = resolve_file_paths(data, p.resolve().parent)
+    base = Path(overrides_base) if overrides_base is not None else Path.cwd()
+    return load_dict(data, [resolve_override(o, base) for o in overrides or []])
 
 
 def dump(cfg: JobConfig) -> str:

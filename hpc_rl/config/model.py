@@ -56,7 +56,8 @@ class LoraConfig:
 class ModelConfig:
     """The policy (actor); the critic and the reference start from the same weights unless named."""
 
-    # HF model folder (config.json, weights, tokenizer files) of the policy; or set `tiny` instead.
+    # HF model folder (config.json, weights, tokenizer files) of the policy; or set `tiny` instead. A relative path is
+    # read from the job file's directory (then the hpc-rl checkout, then the current directory), as every path here.
     path: str | None = None
     # Build a tiny random model offline instead of loading `path` (toys and tests).
     tiny: TinyModelConfig | None = None

@@ -13,11 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from ..config.paths import SFT_PREFIX as PREFIX
 from ..errors import ConfigError, HpcRlError
 
 log = logging.getLogger("hpc_rl")
 
-PREFIX = "sft:"
 # The sources whose change makes a cached build stale: the SFT path from data to export.
 _PKG = Path(__file__).resolve().parents[1]
 SOURCES = [_PKG / "sft_loop.py", _PKG / "data" / "sft.py", _PKG / "train" / "sft_update.py",
@@ -36,8 +36,8 @@ def parse(spec: str, key: str) -> tuple[Path, int | None]:
         raise ConfigError(f"{key}: {spec!r}: write sft:JOB.yaml or sft:JOB.yaml@STEPS (STEPS >= 1)")
     path = Path(job)
     if not path.is_file():
-        raise ConfigError(f"{key}: {spec!r}: the SFT job {job} does not exist (a path relative to the directory "
-                          "hpc-rl runs in)")
+        raise ConfigError(f"{key}: {spec!r}: the SFT job {job} does not exist (a relative path is read "
+                          "from the directory of the job file that names it, then from the hpc-rl checkout)")
     return path.resolve(), int(steps) if steps else None
 
 
