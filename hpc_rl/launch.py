@@ -30,6 +30,7 @@ from .models.sft_built import built_sft_model, is_sft_spec
 from .models.sft_built import parse as parse_sft_spec
 from .models.tiny import cached_tiny_model
 from .models.tiny_reward import cached_tiny_reward_model
+from .models.vision import VisionSpec, check_vision_job
 from .nccl import nccl_env
 from .netutil import advertise_host, free_port
 from .orchestrator.agents import check_openai_installed, load_agent
@@ -115,9 +116,12 @@ def prepare_run(job_path: str, overrides: list[str]) -> tuple[RunDir, JobConfig]
             if cfg.eval.enabled:
                 SFTDataset(cfg.eval_data, tokenizer, cfg.seed, "eval")
         else:
-            train = PromptDataset(cfg.data, tokenizer, cfg.seed)
+            vision = VisionSpec.for_job(cfg, tokenizer)
+            if vision is not None:
+                check_vision_job(cfg)
+            train = PromptDataset(cfg.data, tokenizer, cfg.seed, vision=vision)
             if cfg.eval.enabled:
-                check_held_out(cfg, train, PromptDataset(cfg.eval_data, tokenizer, cfg.seed, "eval"))
+                check_held_out(cfg, train, PromptDataset(cfg.eval_data, tokenizer, cfg.seed, "eval", vision=vision))
         check_lora_targets(cfg)
         for section in (cfg.data, cfg.eval):
             if section.source and section.source.endswith((".jsonl", ".json", ".parquet")):

@@ -29,5 +29,10 @@ class DataConfig:
     # SFT (algorithm.name: sft): the row field holding the target completion of the prompt (a string); a row without
     # it whose prompt is a chat with assistant turns trains on those turns (the chat template's tokens of each).
     completion_key: str = "completion"
+    # The row field holding a prompt's images (verl's `images`): a list of encoded bytes, file paths (relative: to
+    # the data file) or {bytes, path}; `<image>` in the prompt marks where each goes. Needs a vision-language model.
+    image_key: str = "images"
+    # An image with more pixels than this is an error at load naming its row (before it is decoded).
+    max_image_pixels: int = 16_777_216
     # SFT: the longest completion in tokens (everything after the prompt); a longer row is an error at load naming it.
     max_completion_tokens: int = 256

@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 class TinyModelConfig:
     """A small random-init model built offline (tests and CPU toys); saved as a normal HF folder."""
 
-    # Architecture of the HF model class built from a config.
-    arch: Literal["qwen2", "llama"] = "qwen2"
+    # Architecture of the HF model class built from a config; qwen2_vl / qwen2_5_vl: a vision-language model
+    # (Qwen2-VL's or Qwen2.5-VL's vision tower, 14-pixel patches merged 2x2, and its image processor).
+    arch: Literal["qwen2", "llama", "qwen2_vl", "qwen2_5_vl"] = "qwen2"
     # Width of the residual stream.
     hidden_size: int = 128
     # Transformer blocks.
@@ -35,6 +36,24 @@ class TinyModelConfig:
     # (LoRA) bounds the logits by about init_std^2 x hidden_size x the final norm's width: 0.02 leaves a
     # 128-wide model's policy close to uniform whatever its adapters learn.
     init_std: float = 0.02
+    # qwen2_vl / qwen2_5_vl: blocks of the vision tower.
+    vision_layers: int = 1
+    # qwen2_vl: width of the vision tower (a multiple of 16: heads of 16; its merger projects to hidden_size).
+    vision_width: int = 32
+    # qwen2_vl: the image processor resizes every image to at least this many pixels (56x56: 4 image tokens).
+    min_pixels: int = 3136
+    # qwen2_vl: ... and to at most this many (112x112: 16 image tokens).
+    max_pixels: int = 12544
+
+
+@dataclass
+class ProcessorConfig:
+    """A vision-language model's image processor: pixel bounds over the model folder's preprocessor_config.json."""
+
+    # Every image is resized to at least this many pixels (null: the folder's min_pixels).
+    min_pixels: int | None = None
+    # ... and at most this many (null: the folder's max_pixels); fewer pixels, fewer image tokens.
+    max_pixels: int | None = None
 
 
 @dataclass
@@ -74,6 +93,11 @@ class ModelConfig:
     # Train the actor through LoRA adapters (null: all weights); the reference is then the actor with its
     # adapters off, and weight syncs push only the adapters.
     lora: LoraConfig | None = None
+    # A vision-language policy's image processor settings.
+    processor: ProcessorConfig = field(default_factory=ProcessorConfig)
+    # Train the vision tower too (a vision-language policy); false: it stays frozen and LoRA adapts the language
+    # tower only.
+    train_vision: bool = False
     # Train the critic's body through LoRA adapters (its value head stays fully trained); null: all weights.
     critic_lora: LoraConfig | None = None
 
@@ -88,6 +112,17 @@ def check(cfg: JobConfig, need) -> None:
         need(tm.num_kv_heads > 0 and tm.num_heads % tm.num_kv_heads == 0,
              "model.tiny.num_kv_heads must divide model.tiny.num_heads")
         need(tm.hidden_size > 0 and tm.num_layers > 0 and tm.head_dim > 0, "model.tiny: sizes must be positive")
+    pr = m.processor
+    for key, v in (("min_pixels", pr.min_pixels), ("max_pixels", pr.max_pixels)):
+        need(v is None or v >= 784, f"model.processor.{key} must be >= 784 (one 28x28 image token); got {v}")
+    need(pr.min_pixels is None or pr.max_pixels is None or pr.min_pixels <= pr.max_pixels,
+         "model.processor.min_pixels must not exceed model.processor.max_pixels")
+    need(cfg.data.max_image_pixels >= 1, f"data.max_image_pixels must be >= 1; got {cfg.data.max_image_pixels}")
+    if m.tiny is not None and m.tiny.arch in ("qwen2_vl", "qwen2_5_vl"):
+        need(784 <= m.tiny.min_pixels <= m.tiny.max_pixels,
+             "model.tiny.min_pixels must be >= 784 and not exceed model.tiny.max_pixels")
+        need(m.tiny.vision_width % 16 == 0 and m.tiny.vision_layers >= 1,
+             "model.tiny.vision_width must be a multiple of 16 and vision_layers >= 1")
     for key, lora in (("model.lora", m.lora), ("model.critic_lora", m.critic_lora)):
         if lora is None:
             continue

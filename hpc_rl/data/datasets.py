@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import DataConfig
 from ..errors import DataError, first_line
+from .images import IMAGE_PLACEHOLDER, check_placeholders, row_images
 from .toy import toy_corpus, toy_rows
 
 # verl's parquet rows carry the reference answer under reward_model.ground_truth.
@@ -90,6 +91,7 @@ def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
     """All prompt rows of the dataset, normalized to have `prompt` (str or chat list) and `id`; errors name the
     config section the source comes from (data, or eval for held-out prompts)."""
     src = cfg.source
+    base = None  # where a row's relative image paths are read from: the data file's (or dataset folder's) directory
     if src.startswith("toy:"):
         raw = toy_rows(src[4:], cfg.toy_size, seed, cfg.split, section)
         where = src
@@ -106,6 +108,7 @@ def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
     elif src.startswith("hf:"):
         raw = _read_hf(src[3:], cfg.split, section)
         where = src
+        base = Path(src[3:]) if Path(src[3:]).is_dir() else None
     else:
         path = Path(src)
         if not path.is_file():
@@ -118,9 +121,15 @@ def load_rows(cfg: DataConfig, seed: int, section: str = "data") -> list[dict]:
         else:
             raise DataError(f"{section}.source: {src} has suffix {path.suffix!r}; use .jsonl or .parquet")
         where = src
+        base = path.parent
     if not raw:
         raise DataError(f"{where}: the dataset is empty; it needs at least one prompt row")
-    return [_normalize_row(r, i, cfg.prompt_key, where, section) for i, r in enumerate(raw)]
+    rows = [_normalize_row(r, i, cfg.prompt_key, where, section) for i, r in enumerate(raw)]
+    if any(r.get(cfg.image_key) is not None for r in rows):
+        for i, r in enumerate(rows):
+            r["images"] = row_images(r, i, cfg.image_key, where, base, cfg.max_image_pixels, section)
+            check_placeholders(r["prompt"], len(r["images"]), i, where, cfg.prompt_key, cfg.image_key)
+    return rows
 
 
 def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
@@ -137,9 +146,13 @@ def tokenizer_corpus(cfg: DataConfig, seed: int) -> list[str]:
     return lines
 
 
-def render_prompt(row: dict, tokenizer) -> str:
-    """The prompt text: chat messages go through the tokenizer's chat template when it has one."""
+def render_prompt(row: dict, tokenizer, image_text: str | None = None) -> str:
+    """The prompt text: chat messages go through the tokenizer's chat template when it has one. With `image_text`
+    (a vision model's image tokens, models/vision.py), each `<image>` of a row with images is written as it."""
     p = row["prompt"]
+    if row.get("images") and image_text:
+        p = p.replace(IMAGE_PLACEHOLDER, image_text) if isinstance(p, str) else \
+            [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, image_text)} for m in p]
     if isinstance(p, str):
         return p
     if getattr(tokenizer, "chat_template", None):
@@ -148,12 +161,23 @@ def render_prompt(row: dict, tokenizer) -> str:
 
 
 class PromptDataset:
-    """Rows plus their token ids; prompts longer than data.max_prompt_tokens are rejected at load."""
+    """Rows plus their token ids; prompts longer than data.max_prompt_tokens are rejected at load. With a vision
+    model (`vision`: models.vision.VisionSpec), a row's images are in `images[i]` (encoded bytes) and its token ids
+    hold each image's tokens, so that lengths count them."""
 
-    def __init__(self, cfg: DataConfig, tokenizer, seed: int, section: str = "data"):
+    def __init__(self, cfg: DataConfig, tokenizer, seed: int, section: str = "data", vision=None):
         self.rows = load_rows(cfg, seed, section)
-        self.texts = [render_prompt(r, tokenizer) for r in self.rows]
+        self.texts = [render_prompt(r, tokenizer, vision.image_text if vision else None) for r in self.rows]
         self.token_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in self.texts]
+        self.images = [r.get("images") or [] for r in self.rows]
+        if any(self.images):
+            if vision is None:
+                raise DataError(f"{section}.source {cfg.source}: its rows hold images ('{cfg.image_key}') but the "
+                                "policy is a text model; use a vision-language model (Qwen2-VL family, or "
+                                "model.tiny.arch: qwen2_vl) or drop the images")
+            for i, imgs in enumerate(self.images):
+                if imgs:
+                    self.token_ids[i] = vision.expand(self.token_ids[i], imgs)
         for i, ids in enumerate(self.token_ids):
             if not ids:
                 raise DataError(f"{section}.source {cfg.source}: row {i} tokenizes to nothing; remove it or fix the prompt")

@@ -11,6 +11,11 @@ repeat_digit: the prompt is `copy D :` and the completion should repeat the digi
 (hpc_rl.rewards.toy:repeat_digit) is the fraction of the first 4 non-space characters of the
 completion that equal D. A random policy over the ~33-token vocabulary scores about 0.03, so a
 mean reward of 0.8 means the policy really reads the digit from the prompt.
+
+colour_digit (a vision-language policy, model.tiny.arch: qwen2_vl): every prompt is the same `<image> colour :`; the
+image is a 56x56 picture filled with one of ten colours, and the completion should repeat that colour's digit (its
+index in COLOURS) as repeat_digit's does (its reward, hpc_rl.rewards.toy:repeat_digit). The answer is only in the
+image, so a mean reward of 0.8 means the policy reads it through its vision tower.
 """
 
 from __future__ import annotations
@@ -33,6 +38,39 @@ def repeat_digit_rows(n: int, seed: int) -> list[dict]:
 def repeat_digit_corpus() -> list[str]:
     """Lines that cover every symbol the task uses (the tiny tokenizer is trained on them)."""
     return [f"copy {d} : " + " ".join([d] * 4) for d in "0123456789"] + ["0123456789 :"]
+
+
+# colour_digit's palette: digit d is drawn in COLOURS[d] (far apart in RGB, so that one patch tells them apart).
+COLOURS = [(230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48),
+           (145, 30, 180), (70, 240, 240), (240, 50, 230), (0, 0, 0), (255, 255, 255)]
+
+
+def colour_image(d: int, size: int = 56, jitter: int = 0, seed: int = 0) -> bytes:
+    """PNG bytes of a size x size picture filled with COLOURS[d] (each channel moved by up to `jitter`)."""
+    import io
+
+    from PIL import Image
+
+    rng = random.Random(seed)
+    colour = tuple(min(255, max(0, c + rng.randint(-jitter, jitter))) for c in COLOURS[d])
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def colour_digit_rows(n: int, seed: int) -> list[dict]:
+    """`n` rows {prompt: `<image> colour :`, images: [PNG bytes], ground_truth: the colour's digit, id}."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        d = rng.randrange(10)
+        rows.append({"id": i, "prompt": "<image> colour :", "images": [colour_image(d, jitter=12, seed=seed * 7919 + i)],
+                     "ground_truth": str(d)})
+    return rows
+
+
+def colour_digit_corpus() -> list[str]:
+    return ["colour : " + " ".join([d] * 4) for d in "0123456789"] + ["0123456789 :"]
 
 
 def copy_pair_held_out(a: int, b: int) -> bool:
@@ -121,7 +159,7 @@ LOOKUP_CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %
 
 def toy_completion(name: str, row: dict) -> str:
     """The completion a toy task's reward scores 1 (SFT's target for the toy rows): ` D D D D`, ` A B`."""
-    if name == "repeat_digit":
+    if name in ("repeat_digit", "colour_digit"):
         return " " + " ".join([row["ground_truth"]] * 4)
     if name == "copy_pair":
         return " " + row["ground_truth"]
@@ -131,6 +169,7 @@ def toy_completion(name: str, row: dict) -> str:
 
 TOY_TASKS = {
     "repeat_digit": (repeat_digit_rows, repeat_digit_corpus),
+    "colour_digit": (colour_digit_rows, colour_digit_corpus),
     "lookup": (lookup_rows, lookup_corpus),
     "copy_pair": (copy_pair_rows, copy_pair_corpus),
     "copy_pair_judgments": (copy_pair_judgment_rows, copy_pair_judgment_corpus),

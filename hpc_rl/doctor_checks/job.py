@@ -130,6 +130,34 @@ def check_architectures(ctx: Ctx) -> Result:
     return Result("job:architectures", OK, f"transformers {have} knows {', '.join(archs) or '(none listed)'}")
 
 
+@check("job:vision", needs_job=True)
+def check_vision(ctx: Ctx) -> Result:
+    """What a vision-language policy needs: pillow, its processor files, a tokenizer with the image tokens, an
+    engine that takes images and the features it runs with."""
+    from ..models.vision import VisionSpec, check_vision_job, is_vision_model
+
+    name, job = "job:vision", ctx.job
+    tiny_vl = job.model.tiny is not None and job.model.tiny.arch in ("qwen2_vl", "qwen2_5_vl")
+    p = _model_dir(ctx)
+    if not tiny_vl and not is_vision_model(p):
+        return Result(name, OK, "skipped: a text policy")
+    try:
+        import PIL  # noqa: F401
+    except ImportError:
+        return Result(name, FAIL, "pillow is not installed: prompt images cannot be decoded", "pip install pillow")
+    try:
+        if not tiny_vl:
+            from ..models import load_tokenizer
+
+            VisionSpec.for_job(job, load_tokenizer(p, job.model.trust_remote_code))
+        check_vision_job(job)
+    except HpcRlError as e:
+        return Result(name, FAIL, str(e), "fix the key it names (README: Vision-language policies)")
+    what = f"model.tiny ({job.model.tiny.arch}): built offline with its image processor" if tiny_vl else \
+        f"{p}: image processor and image tokens present"
+    return Result(name, OK, f"{what}; images go to the HF engine (vLLM's multimodal inputs are not wired yet)")
+
+
 @check("job:placement", needs_job=True)
 def check_placement(ctx: Ctx) -> Result:
     """Trainer and rollout GPUs must not overlap, must exist, and must fit a shared node."""

@@ -105,13 +105,17 @@ def _model_vocab_size(path) -> int | None:
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",
                    gradient_checkpointing: bool = False, trust_remote_code: bool = False):
-    """AutoModelForCausalLM from a local folder; under an active HfDeepSpeedConfig it loads ZeRO-3 partitioned."""
-    from transformers import AutoModelForCausalLM
+    """AutoModelForCausalLM from a local folder (a vision-language model's: AutoModelForImageTextToText, whose
+    forward takes pixel_values); under an active HfDeepSpeedConfig it loads ZeRO-3 partitioned."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from .vision import is_vision_model
 
     check_model_dir(path)
+    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto.from_pretrained(
             str(path), dtype=torch_dtype(dtype), attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code)
     if gradient_checkpointing:

@@ -15,6 +15,8 @@ from pathlib import Path
 from ..config import TinyModelConfig
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+# Tiny vision-language architectures (model.tiny.arch): a vision tower, an image processor, prompts with images.
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
 
 
 def train_tokenizer(corpus: Iterable[str], vocab_size: int = 64):
@@ -35,9 +37,10 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int = 64):
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK)
 
 
-def model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int):
-    """The transformers config object for a tiny model."""
-    from transformers import LlamaConfig, Qwen2Config
+def model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: int, vision_ids=None):
+    """The transformers config object for a tiny model; `vision_ids` (qwen2_vl): the ids of the vision start, image
+    pad and vision end tokens."""
+    from transformers import LlamaConfig, Qwen2_5_VLConfig, Qwen2Config, Qwen2VLConfig
 
     common = dict(vocab_size=vocab_size, hidden_size=tiny.hidden_size, intermediate_size=tiny.intermediate_size,
                   num_hidden_layers=tiny.num_layers, num_attention_heads=tiny.num_heads,
@@ -47,6 +50,25 @@ def model_config(tiny: TinyModelConfig, vocab_size: int, eos_id: int, pad_id: in
                   initializer_range=tiny.init_std)
     if tiny.arch == "qwen2":
         return Qwen2Config(**common)
+    if tiny.arch in VISION_ARCHS:
+        # M-RoPE splits each head's rotary half into (t, h, w) sections.
+        half = tiny.head_dim // 2
+        common.pop("tie_word_embeddings")
+        common["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
+                                     "mrope_section": [half - 2 * (half // 4), half // 4, half // 4]}
+        start, pad, end = vision_ids
+        patches = dict(num_heads=max(1, tiny.vision_width // 16), patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, initializer_range=tiny.init_std)
+        if tiny.arch == "qwen2_vl":
+            vision, cls = dict(depth=tiny.vision_layers, embed_dim=tiny.vision_width, hidden_size=tiny.hidden_size,
+                               mlp_ratio=2, **patches), Qwen2VLConfig
+        else:  # Qwen2.5-VL: windowed attention in the tower, full attention in its last block
+            vision, cls = dict(depth=tiny.vision_layers, hidden_size=tiny.vision_width,
+                               intermediate_size=2 * tiny.vision_width, out_hidden_size=tiny.hidden_size,
+                               window_size=112, fullatt_block_indexes=[tiny.vision_layers - 1], **patches), \
+                Qwen2_5_VLConfig
+        return cls(text_config=common, vision_config=vision, image_token_id=pad, vision_start_token_id=start,
+                   vision_end_token_id=end, tie_word_embeddings=False)
     return LlamaConfig(**common)
 
 
@@ -64,14 +86,31 @@ def build_tiny_model(tiny: TinyModelConfig, corpus: Iterable[str], out_dir: str 
     tok = train_tokenizer(corpus)
     if chat_template:
         tok.chat_template = chat_template
-    cfg = model_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id)
+    vision_ids = image_processor = None
+    if tiny.arch in VISION_ARCHS:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        from .vision import IMAGE_PAD, VISION_END, VISION_START
+
+        tok.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END]})
+        vision_ids = tok.convert_tokens_to_ids([VISION_START, IMAGE_PAD, VISION_END])
+        image_processor = Qwen2VLImageProcessorPil(min_pixels=tiny.min_pixels, max_pixels=tiny.max_pixels,
+                                                   patch_size=14, merge_size=2, temporal_patch_size=2)
+    cfg = model_config(tiny, len(tok), tok.eos_token_id, tok.pad_token_id, vision_ids)
     torch.manual_seed(tiny.init_seed)
-    model = AutoModelForCausalLM.from_config(cfg)
+    if tiny.arch in VISION_ARCHS:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(cfg)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg)
     model.generation_config.pad_token_id = tok.pad_token_id
     model.generation_config.eos_token_id = tok.eos_token_id
     with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
+        if image_processor is not None:
+            image_processor.save_pretrained(tmp)
     return out
 
 
@@ -110,7 +149,7 @@ def _fingerprint(kind: str, key: dict) -> str:
     h = hashlib.sha256(json.dumps({"kind": kind, **key}, sort_keys=True, default=str).encode())
     for pkg in ("torch", "transformers", "tokenizers"):
         h.update(f"{pkg}={version(pkg)}".encode())
-    for src in ("tiny.py", "tiny_reward.py"):
+    for src in ("tiny.py", "tiny_reward.py", "vision.py"):
         h.update((Path(__file__).parent / src).read_bytes())
     return f"{kind}-{h.hexdigest()[:20]}"
 

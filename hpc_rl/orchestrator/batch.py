@@ -14,6 +14,7 @@ format written since batches were stored (format 1: the plain dict of earlier ve
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from dataclasses import dataclass, field
 
@@ -51,13 +52,16 @@ class RolloutBatch:
     # None: not asked for.
     teacher_top_ids: list[list[list[int]]] | None = None
     teacher_top_logprobs: list[list[list[float]]] | None = None
+    # Each sample's prompt images, encoded (a vision-language policy; the prompt's ids hold their tokens); None: no
+    # sample has one. The samples of a group share the list.
+    images: list[list[bytes]] | None = None
 
     def __post_init__(self):
         n = len(self.prompts)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
-        for name in ("episode_ids", *TEACHER):
+        for name in ("episode_ids", *TEACHER, "images"):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(vals)} entries for {n} samples")
@@ -88,6 +92,7 @@ class RolloutBatch:
             reward_model_ids=None if self.reward_model_ids is None else pick(self.reward_model_ids),
             scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats),
             episode_ids=None if self.episode_ids is None else pick(self.episode_ids),
+            images=None if self.images is None else pick(self.images),
             **{name: None if getattr(self, name) is None else pick(getattr(self, name)) for name in TEACHER})
 
     # ------------------------------------------------------------------ episodes
@@ -130,6 +135,7 @@ class RolloutBatch:
             reward_model_ids=None if self.reward_model_ids is None else self.reward_model_ids + [[token]] * k,
             scores=None if self.scores is None else self.scores + [0.0] * k, stats=self.stats,
             episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k,
+            images=None if self.images is None else self.images + [self.images[0]] * k,
             **{name: None if getattr(self, name) is None else getattr(self, name) + [[filler]] * k
                for name, filler in zip(TEACHER, (0.0, [], []))})
         return out
@@ -144,7 +150,10 @@ class RolloutBatch:
         rm_ids = [] if first.reward_model_ids is not None else None
         episodes = [] if any(b.episode_ids is not None for b in batches) else None
         teacher = {name: [] for name in TEACHER if getattr(first, name) is not None}
+        images = [] if any(b.images is not None for b in batches) else None
         for b in batches:
+            if images is not None:
+                images += b.images if b.images is not None else [[] for _ in range(len(b))]
             if {name for name in TEACHER if getattr(b, name) is not None} != set(teacher):
                 raise ValueError("RolloutBatch.concat: some batches have the teacher's log-probs and some do not")
             for name, vals in teacher.items():
@@ -168,13 +177,15 @@ class RolloutBatch:
                 rm_ids += b.reward_model_ids
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
                             stats=dict(first.stats if stats is None else stats), episode_ids=episodes,
-                            **teacher)
+                            images=images, **teacher)
 
     # ------------------------------------------------------------------ checkpoints
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["format"] = FORMAT
+        if self.images is not None:  # JSON has no bytes
+            d["images"] = [[base64.b64encode(b).decode("ascii") for b in imgs] for imgs in self.images]
         return d
 
     @staticmethod
@@ -184,7 +195,10 @@ class RolloutBatch:
         fmt = d.get("format", 1)
         if fmt == FORMAT:
             fields = {f.name for f in dataclasses.fields(RolloutBatch)}
-            return RolloutBatch(**{k: v for k, v in d.items() if k in fields})
+            out = {k: v for k, v in d.items() if k in fields}
+            if out.get("images") is not None:
+                out["images"] = [[base64.b64decode(b) for b in imgs] for imgs in out["images"]]
+            return RolloutBatch(**out)
         if fmt != 1:
             raise ValueError(f"a stored rollout batch of format {fmt}; this version reads formats 1 and {FORMAT}")
         n = len(d["prompts"])

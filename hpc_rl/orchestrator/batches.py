@@ -33,7 +33,7 @@ class BatchMaker:
         self.cfg, self.sampler = cfg, sampler
         self.teacher = teacher  # services.teacher's client: its log-probs of every sampled token (distillation)
         self.client = sampler.client
-        self.dataset = PromptDataset(cfg.data, sampler.tokenizer, cfg.seed)
+        self.dataset = PromptDataset(cfg.data, sampler.tokenizer, cfg.seed, vision=sampler.vision)
         self.scoring = sampler.training_scoring()
 
     def make(self, step: int) -> RolloutBatch:

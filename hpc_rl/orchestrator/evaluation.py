@@ -83,7 +83,7 @@ class Evaluator:
     def __init__(self, cfg: JobConfig, sampler: Sampler, run: RunDir, source: str = "train"):
         self.cfg, self.sampler, self.run, self.source = cfg, sampler, run, source
         e = cfg.eval
-        self.dataset = PromptDataset(cfg.eval_data, sampler.tokenizer, cfg.seed, section="eval")
+        self.dataset = PromptDataset(cfg.eval_data, sampler.tokenizer, cfg.seed, section="eval", vision=sampler.vision)
         self.indices = eval_subset(len(self.dataset), e.max_prompts, cfg.seed)
         if e.reward:
             rw = dataclasses.replace(cfg.reward, function=e.reward, kwargs=dict(e.reward_kwargs))

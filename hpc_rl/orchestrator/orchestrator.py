@@ -194,8 +194,8 @@ class Orchestrator:
     def _compare_with_servers(self, probe: tuple, version: int) -> float:
         """Max |log-prob difference| between the actor and the rollout servers on the probe; TrainingError beyond
         trainer.sync_tolerance (the servers did not load what was pushed)."""
-        prompt, response, mine = probe
-        theirs = self.client.logprobs([prompt + response], [len(prompt)])[0]
+        prompt, response, mine, *rest = probe  # rest: [the probe's row images] (a vision-language policy)
+        theirs = self.client.logprobs([prompt + response], [len(prompt)], rest[0] if rest else None)[0]
         diff = max((abs(a - b) for a, b in zip(mine, theirs)), default=0.0)
         if not math.isfinite(diff) or diff > self.cfg.trainer.sync_tolerance:
             raise TrainingError(f"weight sync check failed at policy version {version}: the rollout "

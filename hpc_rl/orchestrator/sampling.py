@@ -18,6 +18,7 @@ from ..algos.shaping import overlong_penalty
 from ..config import JobConfig, RewardConfig
 from ..data.datasets import PromptDataset
 from ..data.verifiers_tasks import is_verifiers
+from ..models.vision import VisionSpec
 from ..rewards.base import compute_rewards, load_reward_fn
 from ..rewards.model import RewardInputs
 from ..rollout.environments.sandbox import SandboxLimits
@@ -87,6 +88,8 @@ class Sampler:
         verifiers = is_verifiers(cfg.rollout.env)
         self.multi_turn = self._multi_turn(hide or []) if cfg.rollout.env and not verifiers else None
         self.agents = self._agents() if cfg.rollout.agent or verifiers else None
+        # A vision-language policy: what turns a prompt's images into its tokens (the datasets' `vision`).
+        self.vision = VisionSpec.for_job(cfg, tokenizer)
 
     def _agents(self) -> AgentRollout:
         """The agent of rollout.agent (or the verifiers environment of rollout.env) and the front its clients call
@@ -146,14 +149,16 @@ class Sampler:
         else:
             turn_stats = {}
             params = dataclasses.replace(params, n=n, seeds=seeds.prompts(len(idx)))
-            res = self.client.generate([dataset.token_ids[i] for i in idx], params, step=step)
+            images = [dataset.images[i] for i in idx] if any(dataset.images) else None
+            res = self.client.generate([dataset.token_ids[i] for i in idx], params, step=step, images=images)
             out = [(i, s, int(v)) for i, samples, v in zip(idx, res.outputs, res.policy_versions) for s in samples]
             batch = RolloutBatch(
                 step=step, prompts=[dataset.token_ids[i] for i, _, _ in out],
                 responses=[list(s.token_ids) for _, s, _ in out], loss_masks=[[1] * len(s.token_ids) for _, s, _ in out],
                 rollout_logprobs=[list(s.logprobs) for _, s, _ in out], versions=[v for _, _, v in out],
                 truncated=[s.finish_reason == "length" for _, s, _ in out], group_ids=[j // n for j in range(len(out))],
-                prompt_ids=[int(r["id"]) for r in rows])
+                prompt_ids=[int(r["id"]) for r in rows],
+                images=None if images is None else [dataset.images[i] for i, _, _ in out])
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, s, _ in out]
         gen_s = time.time() - t0
         prompt_texts = [dataset.texts[i] for i in idx for _ in range(n)]

@@ -63,6 +63,17 @@ def save_hf_folder(state_dict: dict[str, torch.Tensor], model_config, tokenizer,
         tokenizer.save_pretrained(out)
 
 
+# A vision-language model's processor files: a checkpoint's folder loads (and serves images) as the base did.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json", "chat_template.json",
+                   "video_preprocessor_config.json")
+
+
+def copy_processor_files(base: Path, out: Path) -> None:
+    for name in PROCESSOR_FILES:
+        if (base / name).is_file() and not (out / name).exists():
+            shutil.copy2(base / name, out / name)
+
+
 def save_adapter_folder(adapters: dict[str, torch.Tensor], lora, base_path: str, tokenizer, out: Path) -> None:
     """A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) from wire-named adapters
     (models.lora); `PeftModel.from_pretrained(base, out)` loads it without hpc-rl."""
@@ -107,6 +118,8 @@ def save(run: RunDir, step: int, engines: dict, trainer_state: dict, hf_state_di
             save_adapter_folder(hf_state_dict, lora, base_path, tokenizer, tmp / "hf")
         elif hf_state_dict is not None:
             save_hf_folder(hf_state_dict, model_config, tokenizer, tmp / "hf")
+        if hf_state_dict is not None and base_path:
+            copy_processor_files(Path(base_path), tmp / "hf")
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=1))
         if pending:
             (tmp / PENDING).write_text(json.dumps([b.to_json() for b in pending]))

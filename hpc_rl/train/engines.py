@@ -13,6 +13,7 @@ import torch
 from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
 from ..models.lora import CRITIC_HEAD, in_modules, with_adapters
+from ..models.vision import is_vision_model
 from . import ds_config
 from .optimizer import make_optimizer
 
@@ -119,12 +120,30 @@ def _deepspeed():
     return deepspeed
 
 
+def _policy_class(path: str):
+    """The auto class of a policy folder: a vision-language model's takes pixel_values beside the ids."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+
+
+def freeze_vision_tower(model) -> int:
+    """Freeze a vision-language model's vision tower (model.train_vision: false); the number of weights frozen."""
+    n = 0
+    for name, p in model.named_parameters():
+        if name.startswith(("model.visual.", "visual.")):
+            p.requires_grad_(False)
+            n += 1
+    return n
+
+
 def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
     deepspeed = _deepspeed()
-    from transformers import AutoModelForCausalLM
 
     ds = ds_config.render(cfg, world_size, device_kind)
-    model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
+    model, keep = _from_pretrained(_policy_class(cfg.model.path), cfg.model.path, cfg, ds)
+    if is_vision_model(cfg.model.path) and not cfg.model.train_vision:
+        freeze_vision_tower(model)
     model = _with_lora(model, cfg.model.lora, "model.lora")
     opt = make_optimizer(model, cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
@@ -153,10 +172,9 @@ def build_critic(cfg: JobConfig, world_size: int, device_kind: str):
 def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
     """The frozen initial policy for KL, as a ZeRO-3 inference engine (no optimizer state)."""
     deepspeed = _deepspeed()
-    from transformers import AutoModelForCausalLM
 
     ds = ds_config.render(cfg, world_size, device_kind, train=False)
-    model, keep = _from_pretrained(AutoModelForCausalLM, cfg.model.path, cfg, ds)
+    model, keep = _from_pretrained(_policy_class(cfg.model.path), cfg.model.path, cfg, ds)
     for p in model.parameters():
         p.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=ds)

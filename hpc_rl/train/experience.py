@@ -9,6 +9,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..algos.losses import entropy_from_logits, logprobs_from_logits
+from ..models.vision import RowPixels, mrope_positions
 
 # fp32 bytes of logits that one chunk of the log-softmax/entropy computation works on: with Qwen2.5's 151,936-token
 # vocabulary that is ~55 tokens at a time, so the [tokens, vocab] temporaries stay small whatever the batch.
@@ -24,6 +25,9 @@ class Batch:
     position_ids: torch.Tensor
     response_mask: torch.Tensor  # [B, R] float, 1 on generated tokens
     prompt_len: int
+    # A vision-language policy's rows: their images' pixel_values and grids (positions are then M-RoPE's, computed
+    # in the forward from ids and grids); None: text.
+    pixels: RowPixels | None = None
 
     @property
     def size(self) -> int:
@@ -35,7 +39,7 @@ class Batch:
 
     def slice(self, idx) -> Batch:
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.position_ids[idx],
-                     self.response_mask[idx], self.prompt_len)
+                     self.response_mask[idx], self.prompt_len, None if self.pixels is None else self.pixels.select(idx))
 
     def trim(self) -> Batch:
         """The same rows cut to their own longest prompt and response (less padding to compute)."""
@@ -45,11 +49,23 @@ class Batch:
         r = max(1, int(self.attention_mask[:, P:].sum(-1).max()))
         cols = slice(P - p, P + r)
         return Batch(self.input_ids[:, cols], self.attention_mask[:, cols], self.position_ids[:, cols],
-                     self.response_mask[:, :r], p)
+                     self.response_mask[:, :r], p, self.pixels)
 
     def to(self, device) -> Batch:
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), self.position_ids.to(device),
-                     self.response_mask.to(device), self.prompt_len)
+                     self.response_mask.to(device), self.prompt_len,
+                     None if self.pixels is None else self.pixels.to(device))
+
+    def model_inputs(self, model) -> dict:
+        """The forward's kwargs: ids, mask and positions (with images: their pixels and M-RoPE positions)."""
+        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
+                  "position_ids": self.position_ids, "use_cache": False}
+        vis = self.pixels.inputs() if self.pixels is not None else {}
+        if vis:
+            inputs["position_ids"] = mrope_positions(model, self.input_ids, self.attention_mask,
+                                                     vis["image_grid_thw"], self.pixels.image_pad_id)
+            inputs.update(vis)
+        return inputs
 
 
 def without_truncated(responses: list[list[int]], truncated: list[bool],
@@ -61,9 +77,10 @@ def without_truncated(responses: list[list[int]], truncated: list[bool],
 
 
 def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-         masks: list[list[int]] | None = None) -> Batch:
+         masks: list[list[int]] | None = None, pixels: RowPixels | None = None) -> Batch:
     """Pack token lists; position ids count real tokens only, so left padding does not shift positions.
-    `masks`: per response token 1 (trained) or 0 (an observation of a multi-turn sample); default all 1."""
+    `masks`: per response token 1 (trained) or 0 (an observation of a multi-turn sample); default all 1.
+    `pixels`: the rows' images (a vision-language policy)."""
     P = max(len(p) for p in prompts)
     R = max(1, max(len(r) for r in responses))
     B = len(prompts)
@@ -81,7 +98,7 @@ def pack(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
         for i, m in enumerate(masks):
             if m:
                 resp_mask[i, :len(m)] *= torch.tensor(m, dtype=torch.float32)
-    return Batch(ids, att, pos, resp_mask, P)
+    return Batch(ids, att, pos, resp_mask, P, pixels)
 
 
 def pad_rows(rows: list[list[float]], width: int, fill: float = 0.0) -> torch.Tensor:
@@ -127,8 +144,7 @@ def policy_forward_top(model, batch: Batch, top_ids: torch.Tensor, temperature: 
 def _forward(model, batch: Batch, labels: torch.Tensor, temperature: float, with_entropy: bool):
     """[B, R, C] log-probs of labels[b, j, :] at response position j, and [B, R] entropies (or None)."""
     P, R = batch.prompt_len, batch.responses.shape[1]
-    inputs = {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-              "position_ids": batch.position_ids, "use_cache": False}
+    inputs = batch.model_inputs(model)
     if not _takes_logits_to_keep(model):
         logits = model(**inputs).logits[:, P - 1:-1, :]
         return token_logprobs(logits, labels, temperature, with_entropy)

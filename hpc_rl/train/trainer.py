@@ -26,6 +26,7 @@ from ..algos.utils import masked_mean
 from ..config import JobConfig
 from ..errors import TrainingError
 from ..models.loading import load_tokenizer
+from ..models.vision import RowPixels, VisionSpec
 from ..orchestrator.batch import RolloutBatch
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
 from ..rundir import RunDir
@@ -86,6 +87,8 @@ class Trainer:
         # seeded alike on every rank, a run is reproducible and a resumed PPO run builds the same critic.
         seed_everything(cfg.seed)
         self.tokenizer = load_tokenizer(cfg.model.path, cfg.model.trust_remote_code)
+        # A vision-language policy's image processing (the prompts' images become pixel inputs); None: text.
+        self.vision = VisionSpec.for_job(cfg, self.tokenizer)
         self.actor = build_actor(cfg, dist.world_size, self.device_kind)
         self.critic = build_critic(cfg, dist.world_size, self.device_kind) if cfg.algorithm.uses_critic else None
         a = cfg.algorithm
@@ -195,7 +198,7 @@ class Trainer:
         masks = mine.loss_masks
         if self.cfg.algorithm.mask_truncated:
             masks = without_truncated(mine.responses, mine.truncated, masks)
-        packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks)
+        packed = pack(mine.prompts, mine.responses, self.tokenizer.pad_token_id, masks, self._pixels(mine.images))
         all_scores = torch.tensor(scores, dtype=torch.float32)
         width = packed.responses.shape[1]
         rollout_lp = pad_rows(mine.rollout_logprobs, width)
@@ -372,11 +375,20 @@ class Trainer:
         prompt, response = batch.prompts[0], batch.responses[0]
         if not response:
             return None
-        probe = pack([prompt], [response], self.tokenizer.pad_token_id).to(self.dist.device)
+        images = batch.images[:1] if batch.images is not None else None
+        probe = pack([prompt], [response], self.tokenizer.pad_token_id, pixels=self._pixels(images)).to(self.dist.device)
         with torch.no_grad():
             self.actor.eval()
             mine, _ = policy_forward(self.actor, probe)
-        return (prompt, response, mine[0, :len(response)].cpu().tolist()) if self.dist.is_main else None
+        if not self.dist.is_main:
+            return None
+        return (prompt, response, mine[0, :len(response)].cpu().tolist(), *([images] if images else []))
+
+    def _pixels(self, images: list[list[bytes]] | None) -> RowPixels | None:
+        """The processed images of packed rows (a vision-language policy's batch), None for a text batch."""
+        if images is None or self.vision is None or not any(images):
+            return None
+        return RowPixels.of(self.vision, images)
 
     def save_checkpoint(self, pending: list[RolloutBatch] | None, shaper: dict | None) -> Path | None:
         """Every rank's DeepSpeed shards, rank 0's HF folder (the adapters alone under LoRA) and trainer state with

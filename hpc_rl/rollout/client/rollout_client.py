@@ -72,8 +72,10 @@ class RolloutClient(ServerPool):
         out, self._served_tokens = self._served_tokens, {}
         return out
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, step: int) -> GenerateResult:
-        """Samples for every prompt, split across the servers; RolloutError names the server, step and cause."""
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, step: int,
+                 images: list[list[bytes]] | None = None) -> GenerateResult:
+        """Samples for every prompt, split across the servers; RolloutError names the server, step and cause.
+        `images[i]`: prompt i's encoded images (a vision-language policy), sent beside its ids."""
         t0 = time.perf_counter()
         if not prompt_token_ids:
             return GenerateResult([], [], 0.0, 0.0)
@@ -96,7 +98,7 @@ class RolloutClient(ServerPool):
             p = SamplingParams(n=params.n, max_new_tokens=params.max_new_tokens, temperature=params.temperature,
                                top_p=params.top_p, top_k=params.top_k, stop_token_ids=list(params.stop_token_ids),
                                seeds=None if None in seeds else seeds)
-            bodies.append(protocol.params_to_json(prompt_token_ids[a:b], p))
+            bodies.append(protocol.params_to_json(prompt_token_ids[a:b], p, None if images is None else images[a:b]))
         served_by: list = [None] * len(bodies)
         results = self.router.run_chunks("/generate", bodies, f"generate at step {step}", live, served_by, owners)
         outputs: list[list[SampleOut]] = []
@@ -121,9 +123,11 @@ class RolloutClient(ServerPool):
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
         return GenerateResult(outputs, versions, ntok / dt if dt > 0 else 0.0, dt, per_server)
 
-    def logprobs(self, token_ids: list[list[int]], prompt_lens: list[int]) -> list[list[float]]:
-        """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy."""
-        return [row for res in self._logprobs(token_ids, prompt_lens, 0) for row in res["logprobs"]]
+    def logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
+                 images: list[list[bytes]] | None = None) -> list[list[float]]:
+        """Raw log-probs of token_ids[i][prompt_lens[i]:] under the served policy (`images[i]`: row i's prompt
+        images, a vision-language policy)."""
+        return [row for res in self._logprobs(token_ids, prompt_lens, 0, images) for row in res["logprobs"]]
 
     def top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> TopLogprobs:
         """logprobs, and at each of those positions the served model's k likeliest tokens and their raw log-probs."""
@@ -134,11 +138,13 @@ class RolloutClient(ServerPool):
             out.top_logprobs += res["top_logprobs"]
         return out
 
-    def _logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> list[dict]:
+    def _logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                  images: list[list[bytes]] | None = None) -> list[dict]:
         if not token_ids:
             return []
         ranges, owners = bounded(split_contiguous(len(token_ids), self.router.n_chunks()), 1, self.max_samples)
-        bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b]), **({"top_k": k} if k else {})}
+        bodies = [{"token_ids": token_ids[a:b], "prompt_lens": list(prompt_lens[a:b]), **({"top_k": k} if k else {}),
+                   **({"images": protocol.images_to_json(images[a:b])} if images is not None else {})}
                   for a, b in ranges]
         return self.router.run_chunks("/logprobs", bodies, "logprobs", owners=owners)
 

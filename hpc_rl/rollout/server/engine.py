@@ -73,38 +73,47 @@ class Engine(abc.ABC):
     # weight of the layers it changes.
     reloads_whole_layers: bool = False
 
+    # Whether prompts may carry images (a vision-language model the engine feeds them to).
+    takes_images: bool = False
+
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+                 cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                 ) -> list[list[SampleOut]]:
         """For each prompt, `params.n` samples; sample j of prompt i is deterministic in params.prompt_seed(i) + j,
-        whatever else the batch holds."""
+        whatever else the batch holds. `images[i]`: prompt i's encoded images (its ids hold their expanded pads)."""
 
     @abc.abstractmethod
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                            cancel: threading.Event | None = None) -> TopLogprobs:
+                            cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                            ) -> TopLogprobs:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix, and (k > 0) at each of those positions
         the k likeliest tokens and their raw log-probs."""
 
     def prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int],
-                        cancel: threading.Event | None = None) -> list[list[float]]:
+                        cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                        ) -> list[list[float]]:
         """Raw log-probs of token_ids[i][prompt_lens[i]:] given their prefix."""
-        return self.prompt_top_logprobs(token_ids, prompt_lens, 0, cancel).logprobs
+        return self.prompt_top_logprobs(token_ids, prompt_lens, 0, cancel, images).logprobs
 
     async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                             cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+                             cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                             ) -> list[list[SampleOut]]:
         """generate for a caller on an event loop. Its work stops when the awaiting task is cancelled (engines with
         a loop of their own abort the request) or `cancel` is set (engines computing in a worker thread check it)."""
-        return await asyncio.to_thread(self.generate, prompt_token_ids, params, cancel)
+        return await asyncio.to_thread(self.generate, prompt_token_ids, params, cancel, images)
 
     async def prompt_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int],
-                                    cancel: threading.Event | None = None) -> list[list[float]]:
+                                    cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                                    ) -> list[list[float]]:
         """prompt_logprobs for a caller on an event loop (as generate_async)."""
-        return (await self.prompt_top_logprobs_async(token_ids, prompt_lens, 0, cancel)).logprobs
+        return (await self.prompt_top_logprobs_async(token_ids, prompt_lens, 0, cancel, images)).logprobs
 
     async def prompt_top_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                                        cancel: threading.Event | None = None) -> TopLogprobs:
+                                        cancel: threading.Event | None = None,
+                                        images: list[list[bytes]] | None = None) -> TopLogprobs:
         """prompt_top_logprobs for a caller on an event loop (as generate_async)."""
-        return await asyncio.to_thread(self.prompt_top_logprobs, token_ids, prompt_lens, k, cancel)
+        return await asyncio.to_thread(self.prompt_top_logprobs, token_ids, prompt_lens, k, cancel, images)
 
     @abc.abstractmethod
     def param_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

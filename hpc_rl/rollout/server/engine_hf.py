@@ -16,7 +16,8 @@ import torch
 
 from ...errors import ModelError
 from ...models import load_causal_lm
-from ..wire.protocol import PolicyNotFinite
+from ...models.vision import VisionSpec, is_vision_model, mrope_positions, vision_inputs
+from ..wire.protocol import BadRequest, PolicyNotFinite
 from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 from .engine import Cancelled, Engine, FairLock
 
@@ -87,6 +88,14 @@ class HFEngine(Engine):
         pad = gc.pad_token_id if gc.pad_token_id is not None else self.model.config.pad_token_id
         self.pad_id = int(pad if pad is not None else (min(self.eos_ids) if self.eos_ids else 0))
         self._params = dict(self.model.state_dict())
+        # A vision-language model: prompts' images become pixel_values with the job's processor settings.
+        self.vision = None
+        if is_vision_model(cfg.model.path):
+            from ...models import load_tokenizer
+
+            self.vision = VisionSpec.for_job(cfg, load_tokenizer(cfg.model.path, cfg.model.trust_remote_code))
+            self.takes_images = True
+            self._no_sample = torch.tensor([self.vision.image_pad_id], device=self.device)
         # One computation at a time (concurrent ones would split the engine's threads between them), taken in turns.
         self._turns = FairLock()
         self.batch_samples = int(cfg.rollout.hf_batch_samples)
@@ -96,22 +105,53 @@ class HFEngine(Engine):
     # ------------------------------------------------------------------ generation
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                 cancel: threading.Event | None = None) -> list[list[SampleOut]]:
+                 cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                 ) -> list[list[SampleOut]]:
         """Samples in chunks of rollout.hf_batch_samples rows, each chunk one turn of the fair lock: a request that
         arrives while a large one runs is served after the chunk in progress, not after the whole request."""
         n = params.n
+        self._check_images(prompt_token_ids, images)
         rows = [p for p in prompt_token_ids for _ in range(n)]
+        row_images = [imgs for imgs in (images or [[]] * len(prompt_token_ids)) for _ in range(n)]
         gens = self._generators(len(prompt_token_ids), params)
         samples: list[SampleOut] = []
         for start in range(0, len(rows), self.batch_samples):
             end = start + self.batch_samples
             with self._turns.turn(cancel):
-                samples += self._generate(rows[start:end], gens[start:end], params, cancel)
+                samples += self._generate(rows[start:end], gens[start:end], params, cancel, row_images[start:end])
         return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+    def _check_images(self, prompts: list[list[int]], images: list[list[bytes]] | None, field: str = "images"):
+        """BadRequest naming the prompt whose images do not decode or do not match its image tokens."""
+        if not images or not any(images):
+            return
+        if self.vision is None:
+            raise BadRequest(f"{field}: this engine's model takes no images")
+        pad = self.vision.image_pad_id
+        for i, (ids, imgs) in enumerate(zip(prompts, images)):
+            try:
+                want = sum(self.vision.tokens_per_image(imgs))
+            except Exception as e:  # PIL's errors for bytes that are not an image
+                raise BadRequest(f"{field}[{i}]: an image does not decode ({type(e).__name__}); send PNG/JPEG/WebP "
+                                 "bytes") from None
+            if ids.count(pad) != want:
+                raise BadRequest(f"{field}[{i}]: the prompt holds {ids.count(pad)} image pad token(s) but its "
+                                 f"{len(imgs)} image(s) need {want}; expand each image's pad to its token count")
+
+    def _positions(self, ids: torch.Tensor, mask: torch.Tensor, vis: dict) -> torch.Tensor:
+        """Position ids that count real tokens only ([B, L]; a vision model's images: [3, B, L] M-RoPE)."""
+        if vis:
+            return mrope_positions(self.model, ids, mask, vis["image_grid_thw"], self.vision.image_pad_id)
+        return (mask.cumsum(-1) - 1).clamp(min=0)
+
+    def _vision(self, row_images: list[list[bytes]] | None) -> dict:
+        if not row_images or not any(row_images):
+            return {}
+        return vision_inputs(self.vision, row_images, self.device)
 
     @torch.inference_mode()
     def _generate(self, rows: list[list[int]], gens: list[torch.Generator], params: SamplingParams,
-                  cancel: threading.Event | None) -> list[SampleOut]:
+                  cancel: threading.Event | None, row_images: list[list[bytes]] | None = None) -> list[SampleOut]:
         stop_ids = torch.tensor(sorted(self.eos_ids | set(params.stop_token_ids)), dtype=torch.long,
                                 device=self.device)
         b = len(rows)
@@ -122,11 +162,12 @@ class HFEngine(Engine):
             ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
             mask[i, width - len(r):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+        vis = self._vision(row_images)
+        pos = self._positions(ids, mask, vis)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vis)
         past = out.past_key_values
         logits = out.logits[:, -1, :]
-        last_pos = pos[:, -1]
+        last_pos = pos[..., -1]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         toks, lps = [], []
         for step in range(params.max_new_tokens):
@@ -136,6 +177,10 @@ class HFEngine(Engine):
             if not bool(torch.isfinite(logits).all()):
                 raise PolicyNotFinite(f"the model's logits are not finite at generated token {step + 1}")
             raw = torch.log_softmax(logits, dim=-1)
+            if self.vision is not None:
+                # The image pad's embedding means "an image's features go here": a response that held one would
+                # not even run through the model again, so it is never sampled (its raw log-prob stays reported).
+                logits = logits.index_fill(-1, self._no_sample, float("-inf"))
             if params.greedy:
                 tok = logits.argmax(dim=-1)
             else:
@@ -149,7 +194,7 @@ class HFEngine(Engine):
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[:, None],
+            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[..., None],
                              past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :]
@@ -194,19 +239,23 @@ class HFEngine(Engine):
         return tok
 
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                            cancel: threading.Event | None = None) -> TopLogprobs:
+                            cancel: threading.Event | None = None, images: list[list[bytes]] | None = None
+                            ) -> TopLogprobs:
+        self._check_images([t[:n] for t, n in zip(token_ids, prompt_lens)], images)
         out = TopLogprobs([], [], [])
         for start in range(0, len(token_ids), self.batch_samples):
             end = start + self.batch_samples
             with self._turns.turn(cancel):
-                part = self._prompt_logprobs(token_ids[start:end], prompt_lens[start:end], k)
+                part = self._prompt_logprobs(token_ids[start:end], prompt_lens[start:end], k,
+                                             images[start:end] if images else None)
             out.logprobs += part.logprobs
             out.top_ids += part.top_ids
             out.top_logprobs += part.top_logprobs
         return out
 
     @torch.inference_mode()
-    def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> TopLogprobs:
+    def _prompt_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                         row_images: list[list[bytes]] | None = None) -> TopLogprobs:
         if not token_ids:
             return TopLogprobs([], [], [])
         b = len(token_ids)
@@ -217,7 +266,10 @@ class HFEngine(Engine):
         for i, t in enumerate(token_ids):
             ids[i, :len(t)] = torch.tensor(t, dtype=torch.long)
             mask[i, :len(t)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits.float()
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        vis = self._vision(row_images)
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=self._positions(ids, mask, vis),
+                            **vis).logits.float()
         if not bool(torch.isfinite(logits).all()):
             raise PolicyNotFinite("the model's logits are not finite")
         all_lp = torch.log_softmax(logits[:, :-1, :], dim=-1)

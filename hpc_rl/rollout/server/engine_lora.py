@@ -59,17 +59,22 @@ class LoraMergingEngine(Engine):
         self.whole_layers = bool(getattr(inner, "reloads_whole_layers", False))
         self._specs = None
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None) -> list[list[SampleOut]]:
-        return self.inner.generate(prompt_token_ids, params, cancel)
+    @property
+    def takes_images(self) -> bool:
+        return self.inner.takes_images
 
-    def prompt_top_logprobs(self, token_ids, prompt_lens, k, cancel=None):
-        return self.inner.prompt_top_logprobs(token_ids, prompt_lens, k, cancel)
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None,
+                 images=None) -> list[list[SampleOut]]:
+        return self.inner.generate(prompt_token_ids, params, cancel, images)
 
-    async def generate_async(self, prompt_token_ids, params, cancel=None):
-        return await self.inner.generate_async(prompt_token_ids, params, cancel)
+    def prompt_top_logprobs(self, token_ids, prompt_lens, k, cancel=None, images=None):
+        return self.inner.prompt_top_logprobs(token_ids, prompt_lens, k, cancel, images)
 
-    async def prompt_top_logprobs_async(self, token_ids, prompt_lens, k, cancel=None):
-        return await self.inner.prompt_top_logprobs_async(token_ids, prompt_lens, k, cancel)
+    async def generate_async(self, prompt_token_ids, params, cancel=None, images=None):
+        return await self.inner.generate_async(prompt_token_ids, params, cancel, images)
+
+    async def prompt_top_logprobs_async(self, token_ids, prompt_lens, k, cancel=None, images=None):
+        return await self.inner.prompt_top_logprobs_async(token_ids, prompt_lens, k, cancel, images)
 
     def param_specs(self) -> dict:
         if self._specs is None:

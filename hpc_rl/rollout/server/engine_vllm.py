@@ -183,11 +183,12 @@ class VLLMEngine(Engine):
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None) -> list[list[SampleOut]]:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None,
+                 images=None) -> list[list[SampleOut]]:
         return self._run(self.generate_async(prompt_token_ids, params))
 
     async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
-                             cancel=None) -> list[list[SampleOut]]:
+                             cancel=None, images=None) -> list[list[SampleOut]]:
         """`cancel` is not needed here: cancelling the awaiting task aborts the requests in vLLM (_many)."""
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
@@ -212,11 +213,11 @@ class VLLMEngine(Engine):
         return result
 
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                            cancel=None) -> TopLogprobs:
+                            cancel=None, images=None) -> TopLogprobs:
         return self._run(self.prompt_top_logprobs_async(token_ids, prompt_lens, k))
 
     async def prompt_top_logprobs_async(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
-                                        cancel=None) -> TopLogprobs:
+                                        cancel=None, images=None) -> TopLogprobs:
         from vllm import SamplingParams as VSP
         from vllm.sampling_params import RequestOutputKind
 

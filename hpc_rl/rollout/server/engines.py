@@ -38,6 +38,14 @@ def _make_engine(cfg: JobConfig, device: str) -> Engine:
         log.info("rollout engine: vllm (rollout.engine=vllm)")
         return VLLMEngine(cfg, device)
     # auto: prefer vLLM, fall back to HF with the reason logged.
+    from ...models.vision import is_vision_model
+
+    if is_vision_model(cfg.model.path):
+        from .engine_hf import HFEngine
+
+        log.info("rollout engine: hf (rollout.engine=auto; a vision-language model: hpc-rl feeds images to the HF "
+                 "engine only)")
+        return HFEngine(cfg, device)
     try:
         import vllm  # noqa: F401
     except Exception as e:  # ImportError, or a broken install raising anything at import

@@ -206,10 +206,14 @@ class RolloutService:
 
     async def generate(self, body, cancel: threading.Event | None = None) -> dict:
         prompts, params = protocol.parse_generate(body, self.vocab, self.limits)
+        images = protocol.parse_images(body, len(prompts))
+        if images is not None and any(images) and not self.engine.takes_images:
+            raise BadRequest(f"images: this server's model ({self.model_path}, engine {self.engine.name}) takes no "
+                             "images; serve a vision-language model with rollout.engine: hf")
         with self._admitted():
             async with self.weight_gate.generating():
                 t0 = time.perf_counter()
-                outputs = await self._generate(prompts, params, cancel)
+                outputs = await self._generate(prompts, params, cancel, images)
                 dt = time.perf_counter() - t0
                 version = self.policy_version
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
@@ -221,10 +225,11 @@ class RolloutService:
         log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
         return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
 
-    async def _generate(self, prompts: list[list[int]], params, cancel: threading.Event | None = None):
+    async def _generate(self, prompts: list[list[int]], params, cancel: threading.Event | None = None,
+                        images: list[list[bytes]] | None = None):
         """The engine's samples; PolicyNotFinite (with this server's policy version) when its forward is not finite."""
         try:
-            outputs = await self.engine.generate_async(prompts, params, cancel)
+            outputs = await self.engine.generate_async(prompts, params, cancel, images)
             check_finite((s.logprobs for row in outputs for s in row), "generate")
         except PolicyNotFinite as e:
             raise self._not_finite(e) from None
@@ -292,10 +297,13 @@ class RolloutService:
 
     async def logprobs(self, body, cancel: threading.Event | None = None) -> dict:
         toks, lens, top_k = protocol.parse_logprobs(body, self.vocab, self.limits)
+        images = protocol.parse_images(body, len(toks))
+        if images is not None and any(images) and not self.engine.takes_images:
+            raise BadRequest(f"images: this server's model ({self.model_path}) takes no images")
         with self._admitted():
             async with self.weight_gate.generating():
                 try:
-                    top = await self.engine.prompt_top_logprobs_async(toks, lens, top_k, cancel)
+                    top = await self.engine.prompt_top_logprobs_async(toks, lens, top_k, cancel, images)
                     check_finite(top.logprobs, "logprobs")
                     check_finite([row for rows in top.top_logprobs for row in rows], "top_logprobs")
                 except PolicyNotFinite as e:

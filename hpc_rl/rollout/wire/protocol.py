@@ -3,6 +3,7 @@ field, and (de)serialization of samples. Shared by the server and the client."""
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 from dataclasses import dataclass
@@ -179,7 +180,7 @@ def parse_generate(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     """Validate a /generate body against the server's limits (a request that can never be served is named)."""
     body = json_object(body)
     known = {"prompt_token_ids", "n", "max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed",
-             "seeds"}
+             "seeds", "images"}
     extra = sorted(set(body) - known)
     if extra:
         raise BadRequest(f"{extra[0]}: unknown field; valid fields are {', '.join(sorted(known))}")
@@ -222,9 +223,9 @@ def parse_logprobs(body: Any, vocab: int | None, limits: RequestLimits) -> tuple
     """Validate a /logprobs body: token_ids and prompt_lens with 1 <= prompt_len <= len(tokens), and top_k (0, the
     default: the tokens' log-probs only; k: also each position's k likeliest tokens, 1 <= k <= MAX_TOP_K)."""
     body = json_object(body)
-    extra = sorted(set(body) - {"token_ids", "prompt_lens", "top_k"})
+    extra = sorted(set(body) - {"token_ids", "prompt_lens", "top_k", "images"})
     if extra:
-        raise BadRequest(f"{extra[0]}: unknown field; /logprobs takes token_ids, prompt_lens and top_k")
+        raise BadRequest(f"{extra[0]}: unknown field; /logprobs takes token_ids, prompt_lens, top_k and images")
     for f in ("token_ids", "prompt_lens"):
         if f not in body:
             raise BadRequest(f"{f}: missing")
@@ -256,11 +257,40 @@ def parse_load_file(body: Any) -> tuple[str, int]:
     return path, int_field(body.get("version"), "version", 0)
 
 
-def params_to_json(prompts: list[list[int]], p: SamplingParams) -> dict:
-    """The /generate request body."""
-    return {"prompt_token_ids": prompts, "n": p.n, "max_new_tokens": p.max_new_tokens,
+def params_to_json(prompts: list[list[int]], p: SamplingParams, images: list[list[bytes]] | None = None) -> dict:
+    """The /generate request body; `images[i]`: prompt i's encoded images (base64 in the body)."""
+    body = {"prompt_token_ids": prompts, "n": p.n, "max_new_tokens": p.max_new_tokens,
             "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k,
             "stop_token_ids": list(p.stop_token_ids), "seed": p.seed, "seeds": p.seeds}
+    if images is not None:
+        body["images"] = images_to_json(images)
+    return body
+
+
+def images_to_json(images: list[list[bytes]]) -> list[list[str]]:
+    return [[base64.b64encode(b).decode("ascii") for b in row] for row in images]
+
+
+def parse_images(body: dict, n_prompts: int, field: str = "images") -> list[list[bytes]] | None:
+    """The request's images: one list of base64-encoded images per prompt (null or absent: none)."""
+    raw = body.get(field)
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != n_prompts:
+        raise BadRequest(f"{field}: expected a list of {n_prompts} lists (one per prompt) of base64-encoded images")
+    out = []
+    for i, row in enumerate(raw):
+        if not isinstance(row, list):
+            raise BadRequest(f"{field}[{i}]: expected a list of base64-encoded images (empty for none)")
+        imgs = []
+        for j, b in enumerate(row):
+            try:
+                imgs.append(base64.b64decode(b, validate=True))
+            except (TypeError, ValueError):
+                raise BadRequest(f"{field}[{i}][{j}]: not a base64 string; send each image's encoded bytes in "
+                                 "base64") from None
+        out.append(imgs)
+    return out
 
 
 def outputs_to_json(outputs: list[list[SampleOut]]) -> list[list[dict]]:

@@ -1,0 +1,285 @@
+"""Vision-language prompts: images in the data (verl parquet, jsonl paths, the colour_digit toy) checked at load with
+one-line errors naming row and field, a tiny Qwen2-VL built offline, and the HF engine generating from image + text
+with log-probs that its scoring forward and the trainer's forward give again."""
+
+import dataclasses
+import io
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from hpc_rl.config import TinyModelConfig, load_dict
+from hpc_rl.data.datasets import PromptDataset, load_rows
+from hpc_rl.data.toy import COLOURS, colour_digit_corpus, colour_image
+from hpc_rl.errors import DataError
+from hpc_rl.models import load_tokenizer
+from hpc_rl.models.tiny import build_tiny_model
+from hpc_rl.models.vision import IMAGE_PAD, VisionSpec, is_vision_model
+from hpc_rl.rollout.server.engine_hf import HFEngine
+from hpc_rl.rollout.wire.sampling import SamplingParams
+
+TINY_VL = TinyModelConfig(arch="qwen2_vl", hidden_size=64, num_heads=2, num_kv_heads=2, head_dim=32,
+                          intermediate_size=128, vision_layers=1, vision_width=32)
+
+
+def png(w=56, h=56, colour=(10, 200, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return build_tiny_model(TINY_VL, colour_digit_corpus(), tmp_path_factory.mktemp("vlm") / "tiny-vl")
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+def engine(request, tmp_path_factory):
+    """The HF engine on a tiny model of each architecture (Qwen2.5-VL: windowed attention in its tower)."""
+    tiny = dataclasses.replace(TINY_VL, arch=request.param, vision_layers=2)
+    folder = build_tiny_model(tiny, colour_digit_corpus(), tmp_path_factory.mktemp("vlm") / request.param)
+    return HFEngine(load_dict({"model": {"path": str(folder)}, "rollout": {"engine": "hf"}}), "cpu")
+
+
+def data_cfg(source, **kw):
+    return load_dict({"data": {"source": str(source), **kw}, "model": {"path": "x"}}).data
+
+
+# ---------------------------------------------------------------- data
+
+
+def test_verl_parquet_with_image_bytes_and_jsonl_with_relative_paths(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": [{"role": "user", "content": "<image> what colour ?"}], "images": [{"bytes": png(), "path": None}],
+             "reward_model": {"ground_truth": "2"}}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    (r,) = load_rows(data_cfg(tmp_path / "train.parquet"), 0)
+    assert r["images"] == [png()] and r["ground_truth"] == "2"
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "a.png").write_bytes(png(colour=(1, 2, 3)))
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": "<image> colour :", "images": ["img/a.png"]}) + "\n")
+    (r,) = load_rows(data_cfg(tmp_path / "p.jsonl"), 0)
+    assert r["images"] == [png(colour=(1, 2, 3))]
+
+
+@pytest.mark.parametrize("row, expect", [
+    ({"prompt": "<image> x", "images": ["nope.png"]}, "row 0 field 'images'[0]: image file"),
+    ({"prompt": "<image> x", "images": [{"bytes": None, "path": None}]}, "row 0 field 'images'[0]: an image mapping"),
+    ({"prompt": "<image> <image> x", "images": ["ok.png"]}, "row 0 has 1 image(s) in 'images' but 2 <image>"),
+    ({"prompt": "x", "images": ["ok.png"]}, "row 0 has 1 image(s) in 'images' but 0 <image>"),
+    ({"prompt": "<image> x", "images": [3]}, "row 0 field 'images'[0]: an image is int"),
+])
+def test_bad_images_are_one_line_errors_naming_row_and_field(tmp_path, row, expect):
+    (tmp_path / "ok.png").write_bytes(png())
+    (tmp_path / "p.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(DataError) as e:
+        load_rows(data_cfg(tmp_path / "p.jsonl"), 0)
+    assert expect in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_undecodable_bytes_and_too_many_pixels(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "<image>", "images": [b"not an image"]}]), tmp_path / "a.parquet")
+    with pytest.raises(DataError, match=r"row 0 field 'images'\[0\]: cannot decode the image"):
+        load_rows(data_cfg(tmp_path / "a.parquet"), 0)
+    pq.write_table(pa.Table.from_pylist([{"prompt": "<image>", "images": [png(200, 100)]}]), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match=r"200x100 = 20000 pixels, more than data.max_image_pixels=10000"):
+        load_rows(data_cfg(tmp_path / "b.parquet", max_image_pixels=10000), 0)
+
+
+def test_a_text_model_refuses_rows_with_images(tmp_path):
+    from hpc_rl.models.tiny import build_tiny_model as build
+
+    text = build(TinyModelConfig(), colour_digit_corpus(), tmp_path / "text")
+    with pytest.raises(DataError, match="its rows hold images .* but the policy is a text model"):
+        PromptDataset(data_cfg("toy:colour_digit", toy_size=4), load_tokenizer(text), 0)
+
+
+@pytest.mark.parametrize("override, expect", [
+    ("model.processor.min_pixels=100", "model.processor.min_pixels must be >= 784"),
+    ("model.processor.max_pixels=1000", "model.processor.min_pixels must not exceed model.processor.max_pixels"),
+    ("data.max_image_pixels=0", "data.max_image_pixels must be >= 1"),
+])
+def test_bad_vision_keys_are_named(override, expect):
+    from hpc_rl.config import ConfigError, apply_overrides
+
+    data = apply_overrides({"model": {"path": "x", "processor": {"min_pixels": 3136}}}, [override])
+    with pytest.raises(ConfigError, match=expect):
+        load_dict(data)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.engine=vllm", "rollout.engine"), ("model.lora={rank: 4}", "model.lora"),
+    ("algorithm.name=ppo", "algorithm.name"), ("reward.model={path: rm}", "reward.model"),
+])
+def test_what_a_vision_policy_does_not_run_with_yet_is_refused_naming_the_key(vlm_dir, override, key):
+    from hpc_rl.config import apply_overrides
+    from hpc_rl.errors import ConfigError
+    from hpc_rl.models.vision import check_vision_job
+
+    cfg = load_dict(apply_overrides({"model": {"path": str(vlm_dir)}}, [override]))
+    with pytest.raises(ConfigError, match=f"^{key}: a vision-language policy"):
+        check_vision_job(cfg)
+
+
+def test_a_batch_with_images_round_trips_through_a_checkpoint():
+    from hpc_rl.orchestrator.batch import RolloutBatch
+
+    imgs = [png(), png(colour=(1, 2, 3))]
+    b = RolloutBatch(step=0, prompts=[[1], [2]], responses=[[3], [4]], loss_masks=[[1], [1]],
+                     rollout_logprobs=[[-1.0], [-2.0]], versions=[0, 0], truncated=[False, False], group_ids=[0, 1],
+                     prompt_ids=[0, 1], images=[[imgs[0]], [imgs[1]]])
+    back = RolloutBatch.from_json(json.loads(json.dumps(b.to_json())))
+    assert back.images == b.images and back.select([1]).images == [[imgs[1]]]
+    both = RolloutBatch.concat([b, RolloutBatch.from_json({**b.to_json(), "images": None})])
+    assert both.images == b.images + [[], []]
+    assert b.with_fillers(1, 0).images == b.images + [b.images[0]]
+
+
+# ---------------------------------------------------------------- model and engine
+
+
+def test_the_tiny_vlm_is_a_qwen2_vl_folder_and_prompts_hold_each_images_tokens(vlm_dir):
+    assert is_vision_model(vlm_dir) and (vlm_dir / "preprocessor_config.json").is_file()
+    tok = load_tokenizer(vlm_dir)
+    spec = VisionSpec.of(vlm_dir, tok)
+    ds = PromptDataset(data_cfg("toy:colour_digit", toy_size=20), tok, 0, vision=spec)
+    pad = tok.convert_tokens_to_ids(IMAGE_PAD)
+    # 56x56 pixels: 4x4 patches of 14, merged 2x2 -> 4 image tokens, between vision start and end.
+    assert all(ids.count(pad) == 4 for ids in ds.token_ids)
+    assert len({tuple(ids) for ids in ds.token_ids}) == 1  # the answer is only in the image
+    assert len({ds.rows[i]["ground_truth"] for i in range(20)}) > 3
+    big = VisionSpec.of(vlm_dir, tok, max_pixels=112 * 112)
+    assert big.tokens_per_image([png(112, 112)]) == [16] and spec.tokens_per_image([png(112, 112)]) == [16]
+    small = VisionSpec.of(vlm_dir, tok, min_pixels=56 * 56, max_pixels=56 * 56)
+    assert small.tokens_per_image([png(112, 112)]) == [4]
+
+
+def test_engine_samples_from_the_image_and_scoring_gives_its_logprobs_again(engine):
+    tok = load_tokenizer(engine.model.name_or_path)
+    ds = PromptDataset(data_cfg("toy:colour_digit", toy_size=4), tok, 0, vision=engine.vision)
+    prompt = ds.token_ids[0]
+    images = [[colour_image(d)] for d in range(len(COLOURS))]
+    params = SamplingParams(n=3, max_new_tokens=5, seed=7)
+    out = engine.generate([prompt] * len(images), params, images=images)
+    # Same ids, other pictures: the prefill's next-token distributions differ (the model sees the image).
+    firsts = engine.prompt_top_logprobs([prompt + [out[0][0].token_ids[0]]] * 2, [len(prompt)] * 2, 5,
+                                        images=[images[0], images[8]])
+    assert firsts.top_logprobs[0] != firsts.top_logprobs[1]
+    # Every sampled token's log-prob from the KV-cached, left-padded sampling loop is what a full right-padded
+    # forward of prompt + completion gives (another batch, other padding).
+    rows, lens, imgs, want = [], [], [], []
+    for d, samples in enumerate(out):
+        for s in samples:
+            rows.append(prompt + s.token_ids)
+            lens.append(len(prompt))
+            imgs.append(images[d])
+            want.append(s.logprobs)
+    rows.append(prompt[-3:] + [5, 6])  # a text-only row in the same batch
+    lens.append(3)
+    imgs.append([])
+    got = engine.prompt_logprobs(rows, lens, images=imgs)
+    for g, w in zip(got, want):
+        assert torch.allclose(torch.tensor(g), torch.tensor(w), atol=2e-5), (g, w)
+    # The learner's forward (left-padded prompts, right-padded responses, micro-batches of any rows) gives them too.
+    from hpc_rl.models import load_causal_lm
+    from hpc_rl.models.vision import RowPixels
+    from hpc_rl.train.experience import pack, policy_forward
+
+    learner = load_causal_lm(engine.model.name_or_path).eval()
+    samples = [(prompt, s.token_ids, images[d], s.logprobs) for d, row in enumerate(out) for s in row]
+    batch = pack([p for p, *_ in samples], [r for _, r, *_ in samples], tok.pad_token_id,
+                 pixels=RowPixels.of(engine.vision, [i for _, _, i, _ in samples]))
+    for rows_ in (torch.arange(len(samples)), torch.tensor([5, 0, 17]), slice(3, 9)):
+        part = batch.slice(rows_).trim()
+        with torch.no_grad():
+            lp, _ = policy_forward(learner, part)
+        for k, i in enumerate(range(len(samples))[rows_] if isinstance(rows_, slice) else rows_.tolist()):
+            w = torch.tensor(samples[i][3])
+            assert torch.allclose(lp[k, :len(w)], w, atol=2e-5), (i, lp[k], w)
+    # Seeded: the same request samples the same tokens.
+    again = engine.generate([prompt] * len(images), params, images=images)
+    assert [[s.token_ids for s in r] for r in again] == [[s.token_ids for s in r] for r in out]
+
+
+# ---------------------------------------------------------------- the toy learns, end to end
+
+
+@pytest.mark.slow
+def test_the_vlm_toy_learns_from_the_image_alone_and_its_export_reads_images(tmp_path):
+    """jobs/toy-vlm-cpu.yaml as users run it (from an empty directory): GRPO on colour_digit, whose prompt is the same
+    for every row, brings the reward from chance to the toys' criterion (last 5 steps >= 0.8 and >= the first + 0.5),
+    so the policy reads the colour through its vision tower on both sides: the rollout server's HF engine and the
+    ZeRO-3 learner. The weight-sync check compares their log-probs of an image prompt every step. The exported
+    folder loads with its image processor and answers each colour greedily."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from hpc_rl.metrics import read_metrics
+
+    repo = Path(__file__).resolve().parent.parent
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(repo / "jobs" / "toy-vlm-cpu.yaml"),
+                        f"output_dir={tmp_path / 'runs'}", "trainer.stop_at={reward_mean: 0.8}",
+                        "trainer.check_sync_every=1"],
+                       capture_output=True, text=True, cwd=elsewhere, timeout=1200,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    (run,) = list((tmp_path / "runs").iterdir())
+    rows = read_metrics(run / "metrics.jsonl")
+    rewards = [row["reward_mean"] for row in rows]
+    first, last5 = rewards[0], sum(rewards[-5:]) / 5
+    print(f"toy-vlm: {len(rewards)} steps, first {first:.3f}, last-5 mean {last5:.3f}, curve "
+          f"{[round(x, 2) for x in rewards[::5]]}")
+    assert last5 >= 0.8 and last5 >= first + 0.5, rewards
+    assert first < 0.2, rewards  # chance: the prompt alone says nothing
+    diffs = [row["sync_max_diff"] for row in rows]
+    assert all(d is not None and d < 1e-3 for d in diffs), diffs
+    out = tmp_path / "exported"
+    e = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "export", str(run), str(out)], capture_output=True,
+                       text=True, cwd=elsewhere, timeout=300)
+    assert e.returncode == 0, e.stdout[-2000:] + e.stderr[-2000:]
+    assert is_vision_model(out) and (out / "preprocessor_config.json").is_file()
+    eng = HFEngine(load_dict({"model": {"path": str(out)}, "rollout": {"engine": "hf"}}), "cpu")
+    tok = load_tokenizer(out)
+    ds = PromptDataset(data_cfg("toy:colour_digit", toy_size=1), tok, 0, vision=eng.vision)
+    greedy = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)
+    answers = eng.generate([ds.token_ids[0]] * 10, greedy, images=[[colour_image(d)] for d in range(10)])
+    texts = [tok.decode(a[0].token_ids, skip_special_tokens=True) for a in answers]
+    from hpc_rl.rewards.toy import repeat_digit
+
+    right = sum(repeat_digit("", t, str(d)) >= 0.75 for d, t in enumerate(texts))
+    assert right >= 8, texts
+
+
+def test_doctor_checks_what_a_vision_job_needs(vlm_dir, capsys):
+    from pathlib import Path
+
+    from hpc_rl.doctor import run_doctor
+
+    job = str(Path(__file__).resolve().parent.parent / "jobs" / "toy-vlm-cpu.yaml")
+
+    def vision(*overrides):
+        run_doctor(job=job, as_json=True, overrides=list(overrides))
+        return {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["job:vision"]
+
+    assert vision()["status"] == "ok"
+    bad = vision("rollout.engine=vllm")
+    assert bad["status"] == "FAIL" and bad["message"].startswith("rollout.engine: a vision-language policy"), bad
+    folder = vision("model.tiny=null", f"model.path={vlm_dir}")
+    assert folder["status"] == "ok" and "image processor and image tokens present" in folder["message"], folder
+    (vlm_dir.parent / "no-proc").mkdir(exist_ok=True)
+    for f in vlm_dir.iterdir():
+        if f.name != "preprocessor_config.json":
+            (vlm_dir.parent / "no-proc" / f.name).write_bytes(f.read_bytes())
+    missing = vision("model.tiny=null", f"model.path={vlm_dir.parent / 'no-proc'}")
+    assert missing["status"] == "FAIL" and "without preprocessor_config.json" in missing["message"], missing
