@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="with --job: dotted overrides, as `hpc-rl run` takes them")
 
     p = sub.add_parser("data", help="prepare a dataset (needs internet for hub datasets)")
-    p.add_argument("name", choices=["gsm8k"], help="the dataset")
+    p.add_argument("name", choices=["gsm8k", "geometry3k"], help="the dataset")
     p.add_argument("out", help="output folder")
     p.add_argument("--source", help="a local copy (jsonl/parquet or HF datasets folder) instead of the hub")
     return ap

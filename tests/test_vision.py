@@ -283,3 +283,23 @@ def test_doctor_checks_what_a_vision_job_needs(vlm_dir, capsys):
             (vlm_dir.parent / "no-proc" / f.name).write_bytes(f.read_bytes())
     missing = vision("model.tiny=null", f"model.path={vlm_dir.parent / 'no-proc'}")
     assert missing["status"] == "FAIL" and "without preprocessor_config.json" in missing["message"], missing
+
+
+def test_a_chat_template_kept_with_the_processor_renders_image_prompts(vlm_dir, tmp_path):
+    """Qwen2-VL-family folders keep the chat template in chat_template.json (the processor's): it is the tokenizer's
+    template when tokenizer_config.json has none, and a chat row's <image> becomes the vision tokens inside it."""
+    import shutil
+
+    folder = tmp_path / "with-template"
+    shutil.copytree(vlm_dir, folder)
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "<|im_start|>assistant\n")
+    (folder / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    tok = load_tokenizer(folder)
+    assert tok.chat_template == template
+    (tmp_path / "p.jsonl").write_text(json.dumps({"prompt": [{"role": "user", "content": "<image> colour"}],
+                                                  "images": [str(tmp_path / "a.png")]}) + "\n")
+    (tmp_path / "a.png").write_bytes(png())
+    ds = PromptDataset(data_cfg(tmp_path / "p.jsonl"), tok, 0, vision=VisionSpec.of(folder, tok))
+    assert ds.texts[0].startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|> colour")
+    assert ds.token_ids[0].count(tok.convert_tokens_to_ids(IMAGE_PAD)) == 4

@@ -1,9 +1,9 @@
-"""`hpc-rl data gsm8k OUT/`: GSM8K as verl-format parquet (train.parquet, test.parquet).
+"""`hpc-rl data gsm8k|geometry3k OUT/`: a hub dataset as verl-format parquet (train.parquet, test.parquet, ...).
 
-Each row: data_source, prompt (one chat message: the question + verl's step-by-step instruction),
-ability, reward_model {style: rule, ground_truth}, extra_info {split, index, answer, question}.
-The hub download needs internet (a login node); `--source` takes a local copy in the hub's format
-(jsonl/parquet rows with `question` and `answer`, a folder of train.*/test.* files, or a
+GSM8K rows: data_source, prompt (one chat message: the question + verl's step-by-step instruction),
+ability, reward_model {style: rule, ground_truth}, extra_info {split, index, answer, question}; Geometry3K's
+(prepare_geometry3k.py) have an `images` column too. The hub download needs internet (a login node); `--source`
+takes a local copy in the hub's format (jsonl/parquet rows, a folder of train.*/test.* files, or a
 `datasets.save_to_disk` folder).
 """
 
@@ -60,34 +60,36 @@ def _read_file(path: Path) -> list[dict]:
     return rows
 
 
-def _split_of(path: Path) -> str:
-    return "test" if "test" in path.stem.lower() else "train"
+def _split_of(path: Path, splits=SPLITS) -> str:
+    stem = path.stem.lower()
+    return next((s for s in splits if s in stem), "train")
 
 
-def load_source(source: str | None) -> dict[str, list[dict]]:
+def load_source(source: str | None, hub: tuple[str, str | None] = (HUB_NAME, HUB_CONFIG), splits=SPLITS,
+                what: str = "GSM8K") -> dict[str, list[dict]]:
     """{split: raw rows} from the hub (source None) or a local copy."""
     if source is None:
         try:
             import datasets
         except ImportError:
-            raise DataError("hpc-rl data gsm8k needs the `datasets` package; pip install 'hpc-rl[data]'") from None
+            raise DataError("hpc-rl data needs the `datasets` package; pip install 'hpc-rl[data]'") from None
         try:
-            ds = datasets.load_dataset(HUB_NAME, HUB_CONFIG)
+            ds = datasets.load_dataset(*[h for h in hub if h])
         except Exception as e:  # offline, proxy, hub errors: all end here
-            raise DataError(f"cannot download {HUB_NAME} ({type(e).__name__}: {first_line(e)}); "
+            raise DataError(f"cannot download {hub[0]} ({type(e).__name__}: {first_line(e)}); "
                             "run this on a machine with internet, or pass --source a local copy") from None
-        return {s: list(ds[s]) for s in SPLITS if s in ds}
+        return {s: list(ds[s]) for s in splits if s in ds}
     p = Path(source)
     if p.is_file():
         if p.suffix not in _FILE_EXT:
-            raise DataError(f"--source {p}: expected a .jsonl, .json or .parquet file of GSM8K rows")
-        return {_split_of(p): _read_file(p)}
+            raise DataError(f"--source {p}: expected a .jsonl, .json or .parquet file of {what} rows")
+        return {_split_of(p, splits): _read_file(p)}
     if p.is_dir():
-        files = sorted(f for f in p.iterdir() if f.suffix in _FILE_EXT and any(s in f.stem.lower() for s in SPLITS))
+        files = sorted(f for f in p.iterdir() if f.suffix in _FILE_EXT and any(s in f.stem.lower() for s in splits))
         if files:
             out: dict[str, list[dict]] = {}
             for f in files:
-                out.setdefault(_split_of(f), []).extend(_read_file(f))
+                out.setdefault(_split_of(f, splits), []).extend(_read_file(f))
             return out
         try:
             import datasets
@@ -96,32 +98,39 @@ def load_source(source: str | None) -> dict[str, list[dict]]:
         except Exception:
             raise DataError(f"--source {p}: no train.*/test.* files and not a datasets.save_to_disk folder") from None
         if isinstance(ds, datasets.DatasetDict):
-            return {s: list(ds[s]) for s in SPLITS if s in ds}
+            return {s: list(ds[s]) for s in splits if s in ds}
         return {"train": list(ds)}
-    raise DataError(f"--source {source}: not found; pass a GSM8K jsonl/parquet file or folder")
+    raise DataError(f"--source {source}: not found; pass a {what} jsonl/parquet file or folder")
 
 
 def prepare_dataset(name: str, out: str, source: str | None = None) -> int:
-    """Write OUT/{train,test}.parquet in verl's format; returns the exit code."""
+    """Write OUT/{split}.parquet in verl's format; returns the exit code."""
+    if name == "geometry3k":
+        from . import prepare_geometry3k as ds
+
+        return write_splits(load_source(source, (ds.HUB_NAME, None), ds.SPLITS, "Geometry3K"), out,
+                            source or ds.HUB_NAME, ds.to_verl_row, ds.REWARD)
     if name != "gsm8k":
-        raise DataError(f"dataset {name!r} is not known; available: gsm8k")
+        raise DataError(f"dataset {name!r} is not known; available: gsm8k, geometry3k")
+    return write_splits(load_source(source), out, source or HUB_NAME, to_verl_row,
+                        "hpc_rl.rewards.gsm8k:compute_score")
+
+
+def write_splits(splits: dict[str, list[dict]], out: str, where: str, to_row, reward: str) -> int:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise DataError("writing parquet needs pyarrow; pip install 'hpc-rl[data]'") from None
-    splits = load_source(source)
-    where = source or HUB_NAME
     outdir = Path(out)
     outdir.mkdir(parents=True, exist_ok=True)
     for split, raw in splits.items():
         if not raw:
             raise DataError(f"{where}: the {split} split is empty")
-        rows = [to_verl_row(r, split, i, where) for i, r in enumerate(raw)]
+        rows = [to_row(r, split, i, where) for i, r in enumerate(raw)]
         tmp = outdir / f".{split}.parquet.tmp"
         pq.write_table(pa.Table.from_pylist(rows), tmp)
         tmp.replace(outdir / f"{split}.parquet")
         print(f"{split}: {len(rows)} rows -> {outdir / f'{split}.parquet'}")
-    print(f"use it with data.source: {outdir / 'train.parquet'} and "
-          "reward.function: hpc_rl.rewards.gsm8k:compute_score")
+    print(f"use it with data.source: {outdir / 'train.parquet'} and reward.function: {reward}")
     return 0

@@ -92,8 +92,24 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str =
         if str(path) not in _warned_pad:
             _warned_pad.add(str(path))
             log.warning("tokenizer in %s has no pad_token; using eos_token %r as pad_token", path, tok.eos_token)
+    if not getattr(tok, "chat_template", None):
+        tok.chat_template = _processor_chat_template(Path(path))
     tok.padding_side = "left"
     return tok
+
+
+def _processor_chat_template(folder: Path) -> str | None:
+    """A chat template the folder keeps beside the tokenizer (vision-language models keep theirs with the processor:
+    chat_template.json or chat_template.jinja), or None."""
+    try:
+        if (folder / "chat_template.jinja").is_file():
+            return (folder / "chat_template.jinja").read_text()
+        if (folder / "chat_template.json").is_file():
+            value = json.loads((folder / "chat_template.json").read_text()).get("chat_template")
+            return value if isinstance(value, str) else None
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None
 
 
 def _model_vocab_size(path) -> int | None:
