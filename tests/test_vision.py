@@ -230,7 +230,8 @@ def test_the_vlm_toy_learns_from_the_image_alone_and_its_export_reads_images(tmp
     elsewhere.mkdir()
     r = subprocess.run([sys.executable, "-m", "hpc_rl.cli", "run", str(repo / "jobs" / "toy-vlm-cpu.yaml"),
                         f"output_dir={tmp_path / 'runs'}", "trainer.stop_at={reward_mean: 0.8}",
-                        "trainer.check_sync_every=1"],
+                        "trainer.check_sync_every=1", "eval.source=toy:colour_digit", "eval.every=20",
+                        "eval.max_prompts=40", "eval.reward=hpc_rl.rewards.toy:repeat_digit", "data.toy_size=2000"],
                        capture_output=True, text=True, cwd=elsewhere, timeout=1200,
                        env=dict(os.environ, PYTHONUNBUFFERED="1"))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -242,6 +243,10 @@ def test_the_vlm_toy_learns_from_the_image_alone_and_its_export_reads_images(tmp
           f"{[round(x, 2) for x in rewards[::5]]}")
     assert last5 >= 0.8 and last5 >= first + 0.5, rewards
     assert first < 0.2, rewards  # chance: the prompt alone says nothing
+    # Held-out pictures, evaluated greedily on the servers with their images: better than at the start.
+    evals = read_metrics(run / "eval.jsonl")
+    assert evals[0]["step"] == 0 and evals[-1]["step"] >= 20, evals
+    assert evals[-1]["eval/reward_mean"] > evals[0]["eval/reward_mean"] + 0.3, evals
     diffs = [row["sync_max_diff"] for row in rows]
     assert all(d is not None and d < 1e-3 for d in diffs), diffs
     out = tmp_path / "exported"

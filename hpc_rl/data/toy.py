@@ -58,13 +58,16 @@ def colour_image(d: int, size: int = 56, jitter: int = 0, seed: int = 0) -> byte
     return buf.getvalue()
 
 
-def colour_digit_rows(n: int, seed: int) -> list[dict]:
-    """`n` rows {prompt: `<image> colour :`, images: [PNG bytes], ground_truth: the colour's digit, id}."""
-    rng = random.Random(seed)
+def colour_digit_rows(n: int, seed: int, split: str = "train") -> list[dict]:
+    """`n` rows {prompt: `<image> colour :`, images: [PNG bytes], ground_truth: the colour's digit, id}; each picture's
+    colour is moved a little at random, and the test split's pictures are drawn from other seeds than train's (the
+    same ten colours: held-out pictures, not held-out answers)."""
+    rng = random.Random(seed + (1 if split == "test" else 0))
+    base = (seed * 7919) + (10**6 if split == "test" else 0)
     rows = []
     for i in range(n):
         d = rng.randrange(10)
-        rows.append({"id": i, "prompt": "<image> colour :", "images": [colour_image(d, jitter=12, seed=seed * 7919 + i)],
+        rows.append({"id": i, "prompt": "<image> colour :", "images": [colour_image(d, jitter=12, seed=base + i)],
                      "ground_truth": str(d)})
     return rows
 
@@ -175,7 +178,7 @@ TOY_TASKS = {
     "copy_pair_judgments": (copy_pair_judgment_rows, copy_pair_judgment_corpus),
 }
 # Toy tasks with a held-out split: its name -> what `split` values they take.
-TOY_SPLITS = {"copy_pair": ("train", "test"), "lookup": ("train", "test")}
+TOY_SPLITS = {"copy_pair": ("train", "test"), "lookup": ("train", "test"), "colour_digit": ("train", "test")}
 TOY_CHAT_TEMPLATES = {"lookup": LOOKUP_CHAT_TEMPLATE}
 
 

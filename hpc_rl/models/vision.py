@@ -116,25 +116,31 @@ class VisionSpec:
 
 @dataclass
 class RowPixels:
-    """The processed images of a packed batch's rows (the trainer's side): each row's pixel_values and grids, so
-    that a micro-batch of any rows gets its own vision inputs without processing the images again."""
+    """The processed images of a batch's rows (a vision-language policy): each row's pixel_values and grids, and a
+    key naming its images, so that a micro-batch of any rows gets its vision inputs without processing the images
+    again, and the vision tower runs once per distinct picture: the samples of a group share their prompt's."""
 
     pixel_values: list  # per row: (patches, dim) float tensor (0 patches: a row without images)
     grids: list  # per row: (images, 3) long tensor
     image_pad_id: int
+    keys: list  # per row: the index of its images among the batch's distinct image lists
 
     @classmethod
     def of(cls, spec: VisionSpec, rows_images: list[list[bytes]]) -> RowPixels:
         import torch
 
-        done: dict[int, tuple] = {}  # the samples of a group share their prompt's list: processed once
-        pv, grids = [], []
+        done: dict[tuple, int] = {}
+        pv, grids, keys = [], [], []
+        processed: list[tuple] = []
         for imgs in rows_images:
-            if id(imgs) not in done:
-                done[id(imgs)] = spec.pixels(imgs) if imgs else (torch.zeros(0), torch.zeros((0, 3), dtype=torch.long))
-            pv.append(done[id(imgs)][0])
-            grids.append(done[id(imgs)][1])
-        return cls(pv, grids, spec.image_pad_id)
+            key = done.setdefault(tuple(imgs), len(done))
+            if key == len(processed):
+                processed.append(spec.pixels(imgs) if imgs else
+                                 (torch.zeros(0), torch.zeros((0, 3), dtype=torch.long)))
+            pv.append(processed[key][0])
+            grids.append(processed[key][1])
+            keys.append(key)
+        return cls(pv, grids, spec.image_pad_id, keys)
 
     def select(self, idx) -> RowPixels:
         import torch
@@ -145,32 +151,42 @@ class RowPixels:
             rows = (idx.nonzero().flatten() if idx.dtype == torch.bool else idx.flatten()).tolist()
         else:
             rows = list(idx)
-        return RowPixels([self.pixel_values[i] for i in rows], [self.grids[i] for i in rows], self.image_pad_id)
+        return RowPixels([self.pixel_values[i] for i in rows], [self.grids[i] for i in rows], self.image_pad_id,
+                         [self.keys[i] for i in rows])
 
     def to(self, device) -> RowPixels:
-        return RowPixels([p.to(device) for p in self.pixel_values], [g.to(device) for g in self.grids],
-                         self.image_pad_id)
+        moved: dict[int, tuple] = {}  # a distinct image list moves once
+        for i, k in enumerate(self.keys):
+            if k not in moved:
+                moved[k] = (self.pixel_values[i].to(device), self.grids[i].to(device))
+        return RowPixels([moved[k][0] for k in self.keys], [moved[k][1] for k in self.keys], self.image_pad_id,
+                         list(self.keys))
 
-    def inputs(self) -> dict:
-        """pixel_values and image_grid_thw of all rows, in row order; {} when no row has an image."""
+    def inputs(self, model) -> dict:
+        """The forward kwargs of all rows' images, in row order: the vision tower's output (`mm_encoder_outputs`,
+        computed here once per distinct image list, so its gradient sums over the rows that use it) and
+        image_grid_thw (for the positions); {} when no row has an image."""
         import torch
+        from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-        pv = [p for p in self.pixel_values if p.numel()]
-        if not pv:
+        rows = [i for i, g in enumerate(self.grids) if g.numel()]
+        if not rows:
             return {}
-        return {"pixel_values": torch.cat(pv), "image_grid_thw": torch.cat([g for g in self.grids if g.numel()])}
-
-
-def vision_inputs(spec: VisionSpec, rows_images: list[list[bytes]], device=None) -> dict:
-    """The forward kwargs (pixel_values, image_grid_thw) of a batch whose rows hold `rows_images` (in row order; a
-    row may have none); {} when no row has an image."""
-    flat = [b for imgs in rows_images for b in imgs]
-    if not flat:
-        return {}
-    pv, grid = spec.pixels(flat)
-    if device is not None:
-        pv, grid = pv.to(device), grid.to(device)
-    return {"pixel_values": pv, "image_grid_thw": grid}
+        first: dict[int, int] = {}
+        for i in rows:
+            first.setdefault(self.keys[i], i)
+        distinct = list(first)
+        inner = getattr(model, "module", model)  # a DeepSpeed engine's module: ZeRO-3's hooks are on the submodules
+        feats = inner.get_image_features(torch.cat([self.pixel_values[first[k]] for k in distinct]),
+                                         torch.cat([self.grids[first[k]] for k in distinct]),
+                                         return_dict=True).pooler_output  # one tensor per image
+        per_key, j = {}, 0
+        for k in distinct:
+            n = self.grids[first[k]].shape[0]
+            per_key[k], j = feats[j:j + n], j + n
+        images = tuple(f for i in rows for f in per_key[self.keys[i]])
+        return {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=images)},
+                "image_grid_thw": torch.cat([self.grids[i] for i in rows])}
 
 
 def mrope_positions(model, input_ids, attention_mask, image_grid_thw, image_pad_id: int):

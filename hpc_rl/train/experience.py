@@ -60,7 +60,7 @@ class Batch:
         """The forward's kwargs: ids, mask and positions (with images: their pixels and M-RoPE positions)."""
         inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask,
                   "position_ids": self.position_ids, "use_cache": False}
-        vis = self.pixels.inputs() if self.pixels is not None else {}
+        vis = self.pixels.inputs(model) if self.pixels is not None else {}
         if vis:
             inputs["position_ids"] = mrope_positions(model, self.input_ids, self.attention_mask,
                                                      vis["image_grid_thw"], self.pixels.image_pad_id)

@@ -16,7 +16,7 @@ import torch
 
 from ...errors import ModelError
 from ...models import load_causal_lm
-from ...models.vision import VisionSpec, is_vision_model, mrope_positions, vision_inputs
+from ...models.vision import RowPixels, VisionSpec, is_vision_model, mrope_positions
 from ..wire.protocol import BadRequest, PolicyNotFinite
 from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
 from .engine import Cancelled, Engine, FairLock
@@ -145,9 +145,11 @@ class HFEngine(Engine):
         return (mask.cumsum(-1) - 1).clamp(min=0)
 
     def _vision(self, row_images: list[list[bytes]] | None) -> dict:
+        """The forward kwargs of the rows' images: the vision tower runs once per distinct picture (a prompt's n
+        samples share it), as in the learner's forwards."""
         if not row_images or not any(row_images):
             return {}
-        return vision_inputs(self.vision, row_images, self.device)
+        return RowPixels.of(self.vision, row_images).to(self.device).inputs(self.model)
 
     @torch.inference_mode()
     def _generate(self, rows: list[list[int]], gens: list[torch.Generator], params: SamplingParams,
