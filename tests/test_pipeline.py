@@ -128,7 +128,7 @@ def test_offline_eval_of_a_checkpoint_equals_the_evaluation_during_training(shor
     bad = hpc_rl("eval", run.name, "trainer.lr=1", cwd=cwd)
     assert bad.returncode == 2 and "takes eval.* and rollout.* overrides only" in bad.stderr
     bad = hpc_rl("eval", run.name, "eval.source=missing.jsonl", cwd=cwd)
-    assert bad.returncode == 2 and "eval.source: missing.jsonl not found" in bad.stderr
+    assert bad.returncode == 2 and "eval.source: " in bad.stderr and "/missing.jsonl not found" in bad.stderr
     assert len(read_metrics(run / "eval.jsonl")) == 4  # the bad calls wrote nothing
 
     # An HF folder with a job spec: its own run dir, evaluated as step 0; here step 4's weights.
