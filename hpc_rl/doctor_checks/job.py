@@ -134,10 +134,11 @@ def check_architectures(ctx: Ctx) -> Result:
 def check_vision(ctx: Ctx) -> Result:
     """What a vision-language policy needs: pillow, its processor files, a tokenizer with the image tokens, an
     engine that takes images and the features it runs with."""
+    from ..models.tiny import VISION_ARCHS
     from ..models.vision import VisionSpec, check_vision_job, is_vision_model
 
     name, job = "job:vision", ctx.job
-    tiny_vl = job.model.tiny is not None and job.model.tiny.arch in ("qwen2_vl", "qwen2_5_vl")
+    tiny_vl = job.model.tiny is not None and job.model.tiny.arch in VISION_ARCHS
     p = _model_dir(ctx)
     if not tiny_vl and not is_vision_model(p):
         return Result(name, OK, "skipped: a text policy")
