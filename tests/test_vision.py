@@ -115,8 +115,7 @@ def test_bad_vision_keys_are_named(override, expect):
 
 
 @pytest.mark.parametrize("override, key", [
-    ("rollout.engine=vllm", "rollout.engine"), ("model.lora={rank: 4}", "model.lora"),
-    ("algorithm.name=ppo", "algorithm.name"), ("reward.model={path: rm}", "reward.model"),
+    ("rollout.engine=vllm", "rollout.engine"), ("algorithm.name=ppo", "algorithm.name"), ("reward.model={path: rm}", "reward.model"),
 ])
 def test_what_a_vision_policy_does_not_run_with_yet_is_refused_naming_the_key(vlm_dir, override, key):
     from hpc_rl.config import apply_overrides
@@ -126,6 +125,50 @@ def test_what_a_vision_policy_does_not_run_with_yet_is_refused_naming_the_key(vl
     cfg = load_dict(apply_overrides({"model": {"path": str(vlm_dir)}}, [override]))
     with pytest.raises(ConfigError, match=f"^{key}: a vision-language policy"):
         check_vision_job(cfg)
+
+
+def test_lora_adapts_the_language_tower_only_unless_the_vision_tower_trains(vlm_dir):
+    from hpc_rl.errors import ConfigError
+    from hpc_rl.models.lora import check_targets, meta_model, policy_skip, resolve_targets
+
+    def cfg(**model):
+        return load_dict({"model": {"path": str(vlm_dir), "lora": {"rank": 4}, **model}})
+
+    frozen, trained = cfg(), cfg(train_vision=True)
+    assert policy_skip(frozen) == ("model.visual.", "visual.") and policy_skip(trained) == ()
+    model = meta_model(frozen)
+    language = resolve_targets(model, ["all-linear"], "model.lora", skip_prefixes=policy_skip(frozen))
+    both = resolve_targets(model, ["all-linear"], "model.lora", skip_prefixes=policy_skip(trained))
+    assert language and not [n for n in language if "visual" in n]
+    assert {n for n in both if "visual" in n} == set(both) - set(language) != set()
+    assert "model.language_model.layers.0.self_attn.q_proj" in language
+    check_targets(trained)  # qkv is the tower's attention: adaptable once it trains
+    with pytest.raises(ConfigError, match="^model.lora.target_modules: 'qkv' matches no linear module.*"
+                                          "model.train_vision: true adapts them"):
+        check_targets(load_dict({"model": {"path": str(vlm_dir), "lora": {"rank": 4, "target_modules": ["qkv"]}}}))
+    tiny = load_dict({"model": {"tiny": dataclasses.asdict(TINY_VL), "lora": {"rank": 4}}})
+    assert policy_skip(tiny) == policy_skip(frozen)
+    assert resolve_targets(meta_model(tiny), ["all-linear"], "model.lora", skip_prefixes=policy_skip(tiny)) == language
+
+
+def test_base_weights_are_found_under_the_names_the_folder_saves_them_with(vlm_dir):
+    """transformers saves a Qwen2-VL's language tower as model.layers.* and loads it as model.language_model.layers.*;
+    the LoRA merge reads W0 of an in-memory name from the file's name."""
+    from safetensors import safe_open
+
+    from hpc_rl.models.checkpoint_names import file_names
+    from hpc_rl.rollout.server.engine_lora import read_base_weights
+    from hpc_rl.rollout.wire.weights import WeightError
+
+    q, tower = "model.language_model.layers.0.self_attn.q_proj.weight", "model.visual.blocks.0.attn.qkv.weight"
+    where = file_names(vlm_dir, [q, tower, "lm_head.weight", "model.nope.weight"])
+    assert where == {q: ("model.layers.0.self_attn.q_proj.weight", "model.safetensors"),
+                     tower: ("visual.blocks.0.attn.qkv.weight", "model.safetensors"),
+                     "lm_head.weight": ("lm_head.weight", "model.safetensors")}
+    with safe_open(str(vlm_dir / "model.safetensors"), framework="pt") as sf:
+        assert torch.equal(read_base_weights(str(vlm_dir), {q})[q], sf.get_tensor(where[q][0]))
+    with pytest.raises(WeightError, match="has no tensor 'model.nope.weight' to merge an adapter into"):
+        read_base_weights(str(vlm_dir), {q, "model.nope.weight"})
 
 
 def test_a_batch_with_images_round_trips_through_a_checkpoint():
@@ -308,3 +351,67 @@ def test_a_chat_template_kept_with_the_processor_renders_image_prompts(vlm_dir, 
     ds = PromptDataset(data_cfg(tmp_path / "p.jsonl"), tok, 0, vision=VisionSpec.of(folder, tok))
     assert ds.texts[0].startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|> colour")
     assert ds.token_ids[0].count(tok.convert_tokens_to_ids(IMAGE_PAD)) == 4
+
+
+@pytest.mark.slow
+def test_a_lora_vlm_syncs_checkpoints_evaluates_and_exports_its_language_adapters(tmp_path):
+    """jobs/toy-vlm-cpu.yaml under model.lora with the vision tower frozen: the adapters go on the language tower only,
+    the server merges each push into the weights it serves (its log-probs of an image prompt match the learner's),
+    the checkpoint is a PEFT folder with the processor files, `hpc-rl eval --step` serves it merged and answers as the
+    run's server did, and both export forms load without hpc-rl and agree on an image prompt."""
+    from pathlib import Path
+
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    from hpc_rl.metrics import read_metrics
+    from tests.runs import hpc_rl, only_run
+
+    job = Path(__file__).resolve().parent.parent / "jobs" / "toy-vlm-cpu.yaml"
+    r = hpc_rl("run", job, "model.lora={rank: 8, alpha: 16}", "model.train_vision=false", "trainer.lr=3e-3",
+               "trainer.steps=4", "checkpoint.every=4", "trainer.check_sync_every=1", "trainer.lr_schedule=constant",
+               "eval.source=toy:colour_digit", "eval.every=4", "eval.max_prompts=10",
+               "eval.reward=hpc_rl.rewards.toy:repeat_digit", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run = only_run(tmp_path)
+    assert "actor: LoRA rank 8 on 14 modules" in r.stdout  # 2 layers x 7 linear modules; none of the tower's
+    rows = read_metrics(run / "metrics.jsonl")
+    base_bytes = (run / "model-init" / "model.safetensors").stat().st_size
+    for x in rows:
+        assert x["sync_max_diff"] is not None and x["sync_max_diff"] < 1e-4, x
+        assert 0 < x["sync_bytes"] < 0.25 * base_bytes, (x["sync_bytes"], base_bytes)
+    hf = run / "checkpoints" / "step_4" / "hf"
+    assert (hf / "preprocessor_config.json").is_file()
+    conf = json.loads((hf / "adapter_config.json").read_text())
+    assert conf["target_modules"] and not [t for t in conf["target_modules"] if "visual" in t], conf
+
+    e = hpc_rl("eval", run.name, "--step", "4", cwd=tmp_path)
+    assert e.returncode == 0, e.stdout[-2000:] + e.stderr[-3000:]
+    online = read_metrics(run / "eval" / "step_4.jsonl")
+    offline = read_metrics(run / "eval" / "step_4.offline.jsonl")
+    assert [x["prompt_id"] for x in online] == [x["prompt_id"] for x in offline]
+    assert sum(a["completion"] == b["completion"] for a, b in zip(online, offline)) >= 9, (online, offline)
+
+    for form in ("--adapter", "--merged"):
+        x = hpc_rl("export", run.name, tmp_path / form[2:], form, cwd=tmp_path)
+        assert x.returncode == 0, x.stderr
+    base_files, merged_files = load_file(run / "model-init" / "model.safetensors"), \
+        load_file(tmp_path / "merged" / "model.safetensors")
+    assert set(base_files) == set(merged_files)
+    changed = {k for k in base_files if not torch.equal(base_files[k], merged_files[k])}
+    assert len(changed) == 14 and not [k for k in changed if "visual" in k], sorted(changed)
+
+    tok = load_tokenizer(run / "model-init")
+    spec = VisionSpec.of(run / "model-init", tok)
+    ds = PromptDataset(data_cfg("toy:colour_digit", toy_size=1), tok, 0, vision=spec)
+    pv, grid = spec.pixels([colour_image(3)])
+    ids = torch.tensor([ds.token_ids[0]])
+    inputs = dict(input_ids=ids, pixel_values=pv, image_grid_thw=grid, mm_token_type_ids=(ids == spec.image_pad_id).int())
+    with torch.no_grad():
+        base = AutoModelForImageTextToText.from_pretrained(run / "model-init").eval()
+        base_logits = base(**inputs).logits
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(**inputs).logits
+        merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()(**inputs).logits
+    assert (adapted - base_logits).abs().max() > 1e-4  # it trained
+    assert torch.allclose(merged, adapted, atol=1e-5), (merged - adapted).abs().max()

@@ -365,13 +365,14 @@ def check_reward_model(ctx: Ctx) -> Result:
     return Result(name, OK, f"{rm.path}: {where}; about {_gib(need)} of {_gib(gpu)} on {what}")
 
 
-def _lora_params(model, lora, key: str, keep: tuple[str, ...] = ()) -> int:
-    """Adapter parameters of `lora` on `model`: rank x (in + out) per adapted linear module (+ the kept heads)."""
+def _lora_params(model, lora, key: str, keep: tuple[str, ...] = (), skip: tuple[str, ...] = ()) -> int:
+    """Adapter parameters of `lora` on `model`: rank x (in + out) per adapted linear module (none under `skip`) (+ the
+    kept heads)."""
     from ..models.lora import in_modules, resolve_targets
 
     mods = dict(model.named_modules())
     n = sum(lora.rank * (mods[t].in_features + mods[t].out_features)
-            for t in resolve_targets(model, lora.target_modules, key, exclude=keep))
+            for t in resolve_targets(model, lora.target_modules, key, exclude=keep, skip_prefixes=skip))
     return n + sum(p.numel() for name, p in model.named_parameters() if in_modules(name, keep))
 
 
@@ -384,14 +385,14 @@ def check_trainer_memory(ctx: Ctx) -> Result:
     name = "job:trainer-memory"
     if j.model.tiny is None and _model_dir(ctx) is None:
         return Result(name, OK, "skipped: no model folder (see job:model)")
-    from ..models.lora import CRITIC_HEAD, meta_model
+    from ..models.lora import CRITIC_HEAD, meta_model, policy_skip
 
     try:
         actor = meta_model(j)
         critic = meta_model(j, critic=True) if j.algorithm.uses_critic else None
         p = sum(x.numel() for x in actor.parameters())
         c = sum(x.numel() for x in critic.parameters()) if critic is not None else 0
-        lora_p = _lora_params(actor, j.model.lora, "model.lora") if j.model.lora else None
+        lora_p = _lora_params(actor, j.model.lora, "model.lora", skip=policy_skip(j)) if j.model.lora else None
         lora_c = _lora_params(critic, j.model.critic_lora, "model.critic_lora", CRITIC_HEAD) \
             if critic is not None and j.model.critic_lora else None
     except (HpcRlError, OSError, ValueError) as e:

@@ -35,8 +35,9 @@ def in_modules(param_name: str, modules: tuple[str, ...]) -> bool:
     return any(f".{m}." in f".{param_name}" for m in modules)
 
 
-def linear_module_names(model, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Names of the model's nn.Linear modules, less the output layer and the modules named in `exclude`."""
+def linear_module_names(model, exclude: tuple[str, ...] = (), skip_prefixes: tuple[str, ...] = ()) -> list[str]:
+    """Names of the model's nn.Linear modules, less the output layer, the modules named in `exclude` and those
+    under `skip_prefixes` (a frozen vision tower)."""
     import torch
 
     out_layer = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
@@ -44,16 +45,17 @@ def linear_module_names(model, exclude: tuple[str, ...] = ()) -> list[str]:
     for name, mod in model.named_modules():
         if not isinstance(mod, torch.nn.Linear) or mod is out_layer:
             continue
-        if any(name == e or name.endswith("." + e) for e in exclude):
+        if any(name == e or name.endswith("." + e) for e in exclude) or name.startswith(skip_prefixes):
             continue
         names.append(name)
     return names
 
 
-def resolve_targets(model, targets: list[str], key: str, exclude: tuple[str, ...] = ()) -> list[str]:
+def resolve_targets(model, targets: list[str], key: str, exclude: tuple[str, ...] = (),
+                    skip_prefixes: tuple[str, ...] = ()) -> list[str]:
     """The full names of the linear modules `targets` (names, suffixes or [all-linear]) select; ConfigError naming
     `key` and the model's linear module names when one target selects nothing."""
-    linear = linear_module_names(model, exclude)
+    linear = linear_module_names(model, exclude, skip_prefixes)
     if targets == ["all-linear"]:
         chosen = linear
     else:
@@ -62,30 +64,45 @@ def resolve_targets(model, targets: list[str], key: str, exclude: tuple[str, ...
             hits = [n for n in linear if n == t or n.endswith("." + t)]
             if not hits:
                 kinds = sorted({n.rsplit(".", 1)[-1] for n in linear})
+                tower = " (the frozen vision tower's are left out; model.train_vision: true adapts them too)" \
+                    if skip_prefixes else ""
                 raise ConfigError(f"{key}.target_modules: {t!r} matches no linear module of the model; its linear "
-                                  f"modules are {kinds} (or use [all-linear])")
+                                  f"modules are {kinds}{tower} (or use [all-linear])")
             chosen += [n for n in hits if n not in chosen]
     if not chosen:
         raise ConfigError(f"{key}.target_modules: the model has no linear module to adapt")
     return chosen
 
 
+def policy_skip(cfg) -> tuple[str, ...]:
+    """Module prefixes the policy's adapters never go on: a vision-language policy's vision tower unless
+    model.train_vision (LoRA adapts the language tower only by default)."""
+    from .tiny import VISION_ARCHS
+    from .vision import VISION_TOWER, is_vision_model
+
+    m = cfg.model
+    vision = (m.tiny.arch in VISION_ARCHS) if m.tiny is not None else is_vision_model(m.path)
+    return VISION_TOWER if vision and not m.train_vision else ()
+
+
 def meta_model(cfg, critic: bool = False):
     """The job's policy (or critic) built on the meta device from its config: module names and shapes, no weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
 
     m = cfg.model
     if m.tiny is not None:
         from .tiny import model_config
 
-        conf = model_config(m.tiny, vocab_size=64, eos_id=1, pad_id=0)  # a toy vocabulary's size
+        # a toy vocabulary's size, and placeholder ids of a vision model's image tokens
+        conf = model_config(m.tiny, vocab_size=64, eos_id=1, pad_id=0, vision_ids=(2, 3, 4))
     else:
         path = (m.critic_path or m.path) if critic else m.path
         conf = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
     if critic:
         conf.num_labels = 1
-    cls = AutoModelForTokenClassification if critic else AutoModelForCausalLM
+    cls = AutoModelForTokenClassification if critic else \
+        AutoModelForImageTextToText if hasattr(conf, "vision_config") else AutoModelForCausalLM
     with torch.device("meta"):
         return cls.from_config(conf, trust_remote_code=m.trust_remote_code)
 
@@ -94,20 +111,22 @@ def check_targets(cfg) -> None:
     """ConfigError when model.lora's or model.critic_lora's target_modules select nothing of the job's models
     (before a run starts: the trainer ranks would fail on it)."""
     if cfg.model.lora is not None:
-        resolve_targets(meta_model(cfg), cfg.model.lora.target_modules, "model.lora")
+        resolve_targets(meta_model(cfg), cfg.model.lora.target_modules, "model.lora", skip_prefixes=policy_skip(cfg))
     if cfg.model.critic_lora is not None and cfg.algorithm.uses_critic:
         resolve_targets(meta_model(cfg, critic=True), cfg.model.critic_lora.target_modules, "model.critic_lora",
                         exclude=CRITIC_HEAD)
 
 
-def with_adapters(model, lora: LoraConfig, key: str, exclude: tuple[str, ...] = (), base_path: str | None = None):
+def with_adapters(model, lora: LoraConfig, key: str, exclude: tuple[str, ...] = (), base_path: str | None = None,
+                  skip_prefixes: tuple[str, ...] = ()):
     """`model` wrapped by PEFT with `lora`'s adapters on the linear modules its target_modules select (none of
-    `exclude`); everything else frozen. ConfigError naming `key` when a target selects nothing."""
+    `exclude` or under `skip_prefixes`); everything else frozen. ConfigError naming `key` when a target selects
+    nothing."""
     import warnings
 
     from peft import get_peft_model
 
-    targets = resolve_targets(model, lora.target_modules, key, exclude=exclude)
+    targets = resolve_targets(model, lora.target_modules, key, exclude=exclude, skip_prefixes=skip_prefixes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return get_peft_model(model, peft_config(lora, targets, base_path))

@@ -20,6 +20,9 @@ from ..errors import ModelError
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 # What one `<image>` placeholder of a prompt becomes before tokenization (Qwen2-VL's chat template writes the same).
 IMAGE_TEXT = VISION_START + IMAGE_PAD + VISION_END
+# Where a vision-language model's vision tower lives, as parameter/module name prefixes (transformers 5 nests it under
+# `model.`; older checkpoints keep it at the top).
+VISION_TOWER = ("model.visual.", "visual.")
 
 
 def is_vision_model(path: str | Path | None) -> bool:
@@ -206,7 +209,6 @@ def check_vision_job(cfg) -> None:
 
     unsupported = [
         (cfg.rollout.engine == "vllm", "rollout.engine", "serve it with rollout.engine: hf (or auto)"),
-        (cfg.model.lora is not None, "model.lora", "train all weights (remove model.lora)"),
         (cfg.algorithm.uses_critic, "algorithm.name", f"use a critic-free algorithm (not {cfg.algorithm.name})"),
         (bool(cfg.rollout.env or cfg.rollout.agent), "rollout.env", "use single-turn prompts"),
         (cfg.reward.model is not None, "reward.model", "score with reward.function or reward.judge"),

@@ -12,8 +12,8 @@ import torch
 
 from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
-from ..models.lora import CRITIC_HEAD, in_modules, with_adapters
-from ..models.vision import is_vision_model
+from ..models.lora import CRITIC_HEAD, in_modules, policy_skip, with_adapters
+from ..models.vision import VISION_TOWER, is_vision_model
 from . import ds_config
 from .optimizer import make_optimizer
 
@@ -48,12 +48,13 @@ def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, dtype: str |
     return model, keep_alive
 
 
-def _with_lora(model, lora, key: str, keep_trained: tuple[str, ...] = ()):
-    """`model` wrapped by PEFT with adapters on the linear modules `lora` targets; everything else frozen except
-    the modules named in `keep_trained` (a critic's value head). Under ZeRO-3 the base weights stay partitioned."""
+def _with_lora(model, lora, key: str, keep_trained: tuple[str, ...] = (), skip_prefixes: tuple[str, ...] = ()):
+    """`model` wrapped by PEFT with adapters on the linear modules `lora` targets (none under `skip_prefixes`);
+    everything else frozen except the modules named in `keep_trained` (a critic's value head). Under ZeRO-3 the
+    base weights stay partitioned."""
     if lora is None:
         return model
-    model = with_adapters(model, lora, key, exclude=keep_trained)
+    model = with_adapters(model, lora, key, exclude=keep_trained, skip_prefixes=skip_prefixes)
     for name, p in model.named_parameters():
         if in_modules(name, keep_trained):
             p.requires_grad_(True)
@@ -131,7 +132,7 @@ def freeze_vision_tower(model) -> int:
     """Freeze a vision-language model's vision tower (model.train_vision: false); the number of weights frozen."""
     n = 0
     for name, p in model.named_parameters():
-        if name.startswith(("model.visual.", "visual.")):
+        if name.startswith(VISION_TOWER):
             p.requires_grad_(False)
             n += 1
     return n
@@ -144,7 +145,7 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
     model, keep = _from_pretrained(_policy_class(cfg.model.path), cfg.model.path, cfg, ds)
     if is_vision_model(cfg.model.path) and not cfg.model.train_vision:
         freeze_vision_tower(model)
-    model = _with_lora(model, cfg.model.lora, "model.lora")
+    model = _with_lora(model, cfg.model.lora, "model.lora", skip_prefixes=policy_skip(cfg))
     opt = make_optimizer(model, cfg.trainer.lr, cfg)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=_scheduler(opt, cfg), config=ds)
     engine._hpc_rl_keep = keep

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from ..checkpoints import best_checkpoint, best_record, find_latest, list_checkpoints, step_dir, verify
 from ..errors import CheckpointError
+from ..models.checkpoint_names import file_names
 from ..models.lora import PEFT_PREFIX, group_adapters, merged, scaling, unpaired
 from ..models.tiny import atomic_folder
 from ..rundir import find
@@ -63,20 +64,25 @@ def merge_adapter_folder(adapter_dir: Path, base_dir: Path, out: Path) -> int:
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{base_dir}: the base model has no .safetensors weights to merge the adapters into")
+    # the adapters are named as in the loaded model; a base file may hold a weight under the name transformers
+    # renames at load (a Qwen2-VL folder's model.layers.* is model.language_model.layers.*)
+    where = file_names(base_dir, pairs)
+    missing = sorted(set(pairs) - set(where))
+    if missing:
+        raise CheckpointError(f"{base_dir}: {len(missing)} adapted weight(s) (e.g. {missing[0]}) are not in the base "
+                              "model's files; export from the run's own model.path")
     done = 0
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             metadata = sf.metadata() or {"format": "pt"}
         tensors = load_file(str(f))
-        for name in set(tensors) & set(pairs):
-            p = pairs[name]
-            tensors[name] = merged(tensors[name], p["lora_A"], p["lora_B"], scale)
-            done += 1
+        for name, (key, file) in where.items():
+            if file == f.name:
+                p = pairs[name]
+                tensors[key] = merged(tensors[key], p["lora_A"], p["lora_B"], scale)
+                done += 1
         save_file(tensors, str(out / f.name), metadata=metadata)
         del tensors
-    if done != len(pairs):
-        raise CheckpointError(f"{base_dir}: {len(pairs) - done} adapted weight(s) (e.g. {sorted(pairs)[0]}) are not in "
-                              "the base model's files; export from the run's own model.path")
     for name in _BASE_FILES:
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, out / name)

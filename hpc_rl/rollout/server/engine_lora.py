@@ -6,7 +6,6 @@ see bench/README.md "LoRA" for the measurements behind this choice.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -21,25 +20,23 @@ log = logging.getLogger("hpc_rl")
 
 
 def read_base_weights(model_path: str, names: set[str]) -> dict[str, torch.Tensor]:
-    """The tensors `names` of an HF folder's safetensors files, on CPU (only the files that hold them are opened)."""
+    """The tensors `names` (named as in the loaded model) of an HF folder's safetensors files, on CPU (only the files
+    that hold them are opened; a name transformers renames at load is read under the file's own name)."""
     from safetensors import safe_open
 
-    folder = Path(model_path)
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({weight_map[n] for n in names if n in weight_map})
-    else:
-        files = [p.name for p in sorted(folder.glob("*.safetensors"))]
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(folder / f), framework="pt") as sf:
-            for n in set(sf.keys()) & names:
-                out[n] = sf.get_tensor(n)
-    missing = names - set(out)
+    from ...models.checkpoint_names import file_names
+
+    where = file_names(model_path, names)
+    missing = names - set(where)
     if missing:
         raise WeightError(f"weights: {model_path} has no tensor {sorted(missing)[0]!r} to merge an adapter into; "
                           "model.path must hold the base model's safetensors weights")
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted({file for _, file in where.values()}):
+        with safe_open(str(Path(model_path) / f), framework="pt") as sf:
+            for n, (key, file) in where.items():
+                if file == f:
+                    out[n] = sf.get_tensor(key)
     return out
 
 
