@@ -39,6 +39,7 @@ from .orchestrator.verifiers_env import VerifiersEnv
 from .rewards.base import load_reward_fn
 from .rewards.model import check_reward_model
 from .rundir import RunDir, read_json, write_json_atomic
+from .startup_clock import mark_command_start
 
 log = logging.getLogger("hpc_rl")
 
@@ -532,6 +533,7 @@ def run_local(run: RunDir, cfg: JobConfig) -> int:
 
 def run_local_job(job_path: str, overrides: list[str], resume: str | None = None) -> int:
     """`hpc-rl run JOB.yaml [overrides] [--resume RUN_DIR]`."""
+    mark_command_start()
     setup_logging(0)
     if resume:
         run = rundir.find(resume)
@@ -598,6 +600,7 @@ def job_of_attempt(run: RunDir, num_nodes: int) -> JobConfig:
 
 def run_node(run: RunDir, node_index: int, num_nodes: int) -> int:
     """This node's role in a Slurm job: trainer node (index < trainer.nodes) or rollout node."""
+    mark_command_start()
     cfg = job_of_attempt(run, num_nodes)
     if node_index < cfg.trainer.nodes:
         if node_index == 0:

@@ -24,6 +24,7 @@ from .errors import HpcRlError, PolicyNotFiniteError, RolloutError, TrainingErro
 from .metrics import progress_line, read_metrics
 from .run_summary import summary_lines
 from .rundir import RunDir
+from .startup_clock import PHASES
 from .stop_at import StopAt
 
 log = logging.getLogger("hpc_rl")
@@ -183,6 +184,9 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
             return
         learner.step = step + 1
         if learner.step == first_step + 1:
+            PHASES.mark("first step done")
+            if debug and dist.is_main and PHASES.t0 is not None:
+                log.debug("start-up of rank 0, seconds since the command: %s", PHASES.line())
             # What the first step loaded lives as long as the run as well (the agents' openai SDK, templates,
             # tokenizers' and torch's lazy parts: ~140k objects with an agent): frozen with the rest, the step's
             # collections do not scan it again (a full one paused an agent step ~0.08 s).
@@ -246,13 +250,16 @@ def train(cfg: JobConfig, run: RunDir, dist) -> None:
     from .orchestrator.orchestrator import Orchestrator, Resumed
     from .train.trainer import Trainer
 
+    PHASES.mark("process group")
     learner = Trainer(cfg, run, dist)
+    PHASES.mark("engines built")
     state = learner.resume()
     orch = None
     try:
         if dist.is_main:
             resumed = Resumed(state["step"], state["reward_shaper"], state["pending"]) if state else Resumed()
             orch = Orchestrator(cfg, run, learner.tokenizer, resumed)
+            PHASES.mark("servers ready")
         # torch's, DeepSpeed's and transformers' objects (about a million) live as long as the run: a full collection
         # over them paused a rank ~0.25 s, and the collectives make every rank wait for the paused one. Frozen, the
         # collector scans only what the steps allocate.
@@ -277,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     from .tracking import deepspeed_without_mlflow
 
     log = setup_logging(rank)
+    PHASES.mark("rank up")
     try:
         from . import config
         from .train.distributed import init_distributed, shutdown_distributed
@@ -287,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.resolve_trainer_nodes(int(os.environ["WORLD_SIZE"]) // cfg.trainer.procs_per_node)
         with deepspeed_without_mlflow():
             import deepspeed  # noqa: F401 (imported once here, without MLflow's hooks)
+        PHASES.mark("deepspeed imported")
         if cfg.algorithm.supervised:
             from .sft_loop import train_sft
 

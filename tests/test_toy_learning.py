@@ -78,6 +78,16 @@ def test_an_agent_whose_calls_start_afresh_trains_every_conversation(tmp_path, m
         assert 1.0 < row["agent/samples_per_episode"] < 2.0 and math.isfinite(row["grad_norm"]), row
         samples = round(64 * row["agent/samples_per_episode"])
         assert f"step {row['step']} shapes: {samples} samples" in log, (samples, log[-2000:])
+    # HPC_RL_DEBUG=1's start-up timings: each process's phases on the command's clock, in the order they happen
+    for text, proc, names in ((log, "rank 0", ["rank up", "deepspeed imported", "process group", "engines built",
+                                                "servers ready", "first step done"]),
+                              ((run / "logs" / "rollout-0.log").read_text(), "rollout server 0",
+                               ["server up", "engine loaded", "serving"])):
+        (line,) = [x for x in text.splitlines() if f"start-up of {proc}, seconds since the command: " in x]
+        marks = [m.rsplit(" ", 1) for m in line.split("since the command: ")[1].split(", ")]
+        assert [n for n, _ in marks] == names, line
+        times = [float(t.rstrip("s")) for _, t in marks]
+        assert 0 < times[0] and times == sorted(times), line
     assert [ev["step"] for ev in read_metrics(run / "eval.jsonl")] == [0, 3]
     for step in (0, 3):
         assert len(read_metrics(run / "eval" / f"step_{step}.jsonl")) == 8  # a line per episode, not per sample

@@ -419,7 +419,9 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
     """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
     RUN/rendezvous/done.json; `overrides` (rollout.* of a rollout job) apply to the run's job.yaml."""
     from ...config import load
+    from ...startup_clock import PHASES
 
+    PHASES.mark("server up")
     run = RunDir(Path(run_dir).resolve())
     cfg = load(run.job_yaml, list(overrides or []))
     token = run.read_token()
@@ -438,6 +440,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         service_role = role in cfg.services.roles()
         served = service_job(cfg, role) if service_role else cfg
         engine = make_engine(served, device)
+        PHASES.mark("engine loaded")
         service = RolloutService(engine, run, str(served.model.path), protocol.RequestLimits.of(served.rollout),
                                  _model_vocab(str(served.model.path)), served.model.trust_remote_code,
                                  served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout))
@@ -478,6 +481,9 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
     write_json_atomic(publish, info)
     log.info("%s server %d serving %s (engine %s, bound %s:%d)", role, index, info["url"], name,
              cfg.rollout.host, port)
+    PHASES.mark("serving")
+    if os.environ.get("HPC_RL_DEBUG") == "1" and PHASES.t0 is not None:
+        log.info("start-up of %s server %d, seconds since the command: %s", role, index, PHASES.line())
     while not stop.wait(DONE_POLL_S):
         if run.done_file.exists():
             reason["why"] = "done.json"
