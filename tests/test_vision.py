@@ -415,3 +415,42 @@ def test_a_lora_vlm_syncs_checkpoints_evaluates_and_exports_its_language_adapter
         merged = AutoModelForImageTextToText.from_pretrained(tmp_path / "merged").eval()(**inputs).logits
     assert (adapted - base_logits).abs().max() > 1e-4  # it trained
     assert torch.allclose(merged, adapted, atol=1e-5), (merged - adapted).abs().max()
+
+
+def test_a_teacher_of_a_vision_policy_must_see_images(vlm_dir, tmp_path):
+    from hpc_rl.errors import ConfigError
+    from hpc_rl.models.vision import check_vision_job
+
+    text = build_tiny_model(TinyModelConfig(), colour_digit_corpus(), tmp_path / "text")
+
+    def job(teacher):
+        return load_dict({"model": {"path": str(vlm_dir)}, "services": {"teacher": {"path": str(teacher)}},
+                          "algorithm": {"distill": {"coef": 1.0}}})
+
+    check_vision_job(job(vlm_dir))
+    with pytest.raises(ConfigError, match="^services.teacher: a vision-language policy .* vision-language teacher"):
+        check_vision_job(job(text))
+
+
+@pytest.mark.slow
+def test_a_vision_teacher_scores_the_policys_samples_with_their_images(vlm_dir, tmp_path):
+    """Distillation of a vision-language policy: the teacher server gets each sample's pictures with its ids. With the
+    policy's own initial weights as the teacher, the first step's reverse KL (rollout server vs teacher server) is
+    zero, as it is only when both sides see the same image; the top-k term runs on the learner's image forward (it is
+    -log of the student's mass on the teacher's top k there, not zero: see topk_forward_kl)."""
+    from pathlib import Path
+
+    from hpc_rl.metrics import read_metrics
+    from tests.runs import hpc_rl, only_run
+
+    job = Path(__file__).resolve().parent.parent / "jobs" / "toy-vlm-cpu.yaml"
+    r = hpc_rl("run", job, "model.tiny=null", f"model.path={vlm_dir}", f"services.teacher={{path: {vlm_dir}, engine: hf}}",
+               "algorithm.distill={coef: 1.0, only: true, baseline: position, top_k: 4}", "trainer.steps=2",
+               "trainer.prompts_per_step=8", "trainer.mini_batch_size=64", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = read_metrics(only_run(tmp_path) / "metrics.jsonl")
+    assert [x["step"] for x in rows] == [1, 2]
+    first = rows[0]
+    assert abs(first["distill/reverse_kl"]) < 1e-4, first
+    assert 0 < first["distill/topk_kl"] < 10, first
+    assert first["teacher_seconds"] > 0

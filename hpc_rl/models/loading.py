@@ -80,7 +80,7 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False, key: str =
     except (OSError, ValueError) as e:
         raise ModelError(f"{key}: cannot load a tokenizer from {path} ({first_line(e)}); "
                          "the folder needs tokenizer.json or tokenizer_config.json") from None
-    vocab = _model_vocab_size(path)
+    vocab = model_vocab_size(path)
     # Some tokenizer classes invent a default pad token (Qwen2: '<|endoftext|>') that the model's
     # embedding does not have: an id past the vocabulary fails only later, inside the forward pass.
     invented = vocab is not None and tok.pad_token_id is not None and tok.pad_token_id >= vocab
@@ -112,11 +112,17 @@ def _processor_chat_template(folder: Path) -> str | None:
     return None
 
 
-def _model_vocab_size(path) -> int | None:
+def model_vocab_size(path) -> int | None:
+    """The vocabulary size in an HF folder's config.json (a vision-language model's is its text_config's); None
+    when it does not say."""
     try:
-        return int(json.loads((Path(path) / "config.json").read_text())["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError):
+        c = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
         return None
+    if not isinstance(c, dict):
+        return None
+    v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
+    return int(v) if isinstance(v, int) else None
 
 
 def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation: str = "sdpa",

@@ -212,7 +212,8 @@ def check_vision_job(cfg) -> None:
         (cfg.algorithm.uses_critic, "algorithm.name", f"use a critic-free algorithm (not {cfg.algorithm.name})"),
         (bool(cfg.rollout.env or cfg.rollout.agent), "rollout.env", "use single-turn prompts"),
         (cfg.reward.model is not None, "reward.model", "score with reward.function or reward.judge"),
-        (cfg.services.teacher is not None, "services.teacher", "train without a teacher"),
+        (cfg.services.teacher is not None and not is_vision_model(cfg.services.teacher.path), "services.teacher",
+         "distill from a vision-language teacher with the policy's tokenizer (a text model cannot see the images)"),
     ]
     for bad, key, fix in unsupported:
         if bad:

@@ -64,11 +64,12 @@ class BatchMaker:
         self.teacher.rejoin()  # teacher servers that joined (a rollout job's) or came back since the last step
         rows, lens = [p + r for p, r in zip(b.prompts, b.responses)], [len(p) for p in b.prompts]
         k = self.cfg.algorithm.distill.top_k
+        images = b.images  # a vision-language policy's prompts: the (vision-language) teacher sees their pictures too
         if k:
-            top = self.teacher.top_logprobs(rows, lens, k)
+            top = self.teacher.top_logprobs(rows, lens, k, images)
             b.teacher_logprobs, b.teacher_top_ids, b.teacher_top_logprobs = top.logprobs, top.top_ids, top.top_logprobs
         else:
-            b.teacher_logprobs = self.teacher.logprobs(rows, lens)
+            b.teacher_logprobs = self.teacher.logprobs(rows, lens, images)
         for i, (lp, r) in enumerate(zip(b.teacher_logprobs, b.responses)):
             if len(lp) != len(r):
                 raise RolloutError(f"teacher server answered {len(lp)} log-probs for sample {i}'s {len(r)} response "

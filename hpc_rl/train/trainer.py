@@ -209,7 +209,7 @@ class Trainer:
             k = self.cfg.algorithm.distill.top_k
             top_ids, top_lp = without_unknown_tokens(pad_top_rows(mine.teacher_top_ids, width, k, torch.long),
                                                      pad_top_rows(mine.teacher_top_logprobs, width, k),
-                                                     self.actor.module.config.vocab_size)
+                                                     self.actor.module.config.get_text_config().vocab_size)
             top_ids, top_lp = top_ids.to(dist.device), top_lp.to(dist.device)
         self.reset_token_counts()
         return Shard(packed.to(dist.device), rows, all_scores, all_scores[rows].to(dist.device),

@@ -129,10 +129,11 @@ class RolloutClient(ServerPool):
         images, a vision-language policy)."""
         return [row for res in self._logprobs(token_ids, prompt_lens, 0, images) for row in res["logprobs"]]
 
-    def top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int) -> TopLogprobs:
+    def top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
+                     images: list[list[bytes]] | None = None) -> TopLogprobs:
         """logprobs, and at each of those positions the served model's k likeliest tokens and their raw log-probs."""
         out = TopLogprobs([], [], [])
-        for res in self._logprobs(token_ids, prompt_lens, k):
+        for res in self._logprobs(token_ids, prompt_lens, k, images):
             out.logprobs += res["logprobs"]
             out.top_ids += res["top_ids"]
             out.top_logprobs += res["top_logprobs"]

@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import math
 import os
@@ -384,15 +383,6 @@ def make_http_server(service: RolloutService, token: str, host: str, port: int) 
     return HttpServer(make_app(service, token), sock, loop=engine.loop if engine is not None else None)
 
 
-def _model_vocab(path: str) -> int | None:
-    try:
-        c = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    v = c.get("vocab_size") or (c.get("text_config") or {}).get("vocab_size")
-    return int(v) if isinstance(v, int) else None
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -419,6 +409,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
     """Run one rollout server (or, role "reward", a reward node's reward server) until SIGTERM/SIGINT or
     RUN/rendezvous/done.json; `overrides` (rollout.* of a rollout job) apply to the run's job.yaml."""
     from ...config import load
+    from ...models.loading import model_vocab_size
     from ...startup_clock import PHASES
 
     PHASES.mark("server up")
@@ -442,7 +433,7 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         engine = make_engine(served, device)
         PHASES.mark("engine loaded")
         service = RolloutService(engine, run, str(served.model.path), protocol.RequestLimits.of(served.rollout),
-                                 _model_vocab(str(served.model.path)), served.model.trust_remote_code,
+                                 model_vocab_size(str(served.model.path)), served.model.trust_remote_code,
                                  served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout))
         if service_role:
             service.frozen_role = role
