@@ -31,12 +31,14 @@ def loaded_names(folder: str | Path, keys, trust_remote_code: bool = False) -> d
     """{file key: the name transformers gives it once loaded} for the `keys` of `folder` that its load renames one to
     one (a key a converter splits or fuses, e.g. MoE experts, has no single name and is left out)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+    from .vision import policy_auto_class
+
     conf = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    cls = AutoModelForImageTextToText if hasattr(conf, "vision_config") else AutoModelForCausalLM
+    cls = policy_auto_class(hasattr(conf, "vision_config"))
     with torch.device("meta"):
         model = cls.from_config(conf, trust_remote_code=trust_remote_code)
     conversions = get_model_conversion_mapping(model)

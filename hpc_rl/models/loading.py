@@ -129,12 +129,10 @@ def load_causal_lm(path: str | Path, dtype: str = "float32", attn_implementation
                    gradient_checkpointing: bool = False, trust_remote_code: bool = False):
     """AutoModelForCausalLM from a local folder (a vision-language model's: AutoModelForImageTextToText, whose
     forward takes pixel_values); under an active HfDeepSpeedConfig it loads ZeRO-3 partitioned."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    from .vision import is_vision_model
+    from .vision import is_vision_model, policy_auto_class
 
     check_model_dir(path)
-    auto = AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
+    auto = policy_auto_class(is_vision_model(path))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = auto.from_pretrained(

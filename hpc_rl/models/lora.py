@@ -88,7 +88,9 @@ def policy_skip(cfg) -> tuple[str, ...]:
 def meta_model(cfg, critic: bool = False):
     """The job's policy (or critic) built on the meta device from its config: module names and shapes, no weights."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForTokenClassification
+
+    from .vision import policy_auto_class
 
     m = cfg.model
     if m.tiny is not None:
@@ -101,8 +103,7 @@ def meta_model(cfg, critic: bool = False):
         conf = AutoConfig.from_pretrained(path, trust_remote_code=m.trust_remote_code)
     if critic:
         conf.num_labels = 1
-    cls = AutoModelForTokenClassification if critic else \
-        AutoModelForImageTextToText if hasattr(conf, "vision_config") else AutoModelForCausalLM
+    cls = AutoModelForTokenClassification if critic else policy_auto_class(hasattr(conf, "vision_config"))
     with torch.device("meta"):
         return cls.from_config(conf, trust_remote_code=m.trust_remote_code)
 

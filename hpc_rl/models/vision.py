@@ -36,6 +36,14 @@ def is_vision_model(path: str | Path | None) -> bool:
     return isinstance(cfg, dict) and "vision_config" in cfg
 
 
+def policy_auto_class(vision: bool):
+    """The transformers auto class of a policy: a vision-language model's (its forward takes pixel_values) or a
+    causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision else AutoModelForCausalLM
+
+
 def load_image_processor(path: str | Path, min_pixels: int | None = None, max_pixels: int | None = None,
                          key: str = "model.path"):
     """The folder's image processor (preprocessor_config.json), with model.processor's pixel bounds over the

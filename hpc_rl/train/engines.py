@@ -13,7 +13,7 @@ import torch
 from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
 from ..models.lora import CRITIC_HEAD, in_modules, policy_skip, with_adapters
-from ..models.vision import VISION_TOWER, is_vision_model
+from ..models.vision import VISION_TOWER, is_vision_model, policy_auto_class
 from . import ds_config
 from .optimizer import make_optimizer
 
@@ -121,13 +121,6 @@ def _deepspeed():
     return deepspeed
 
 
-def _policy_class(path: str):
-    """The auto class of a policy folder: a vision-language model's takes pixel_values beside the ids."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    return AutoModelForImageTextToText if is_vision_model(path) else AutoModelForCausalLM
-
-
 def freeze_vision_tower(model) -> int:
     """Freeze a vision-language model's vision tower (model.train_vision: false); the number of weights frozen."""
     n = 0
@@ -142,7 +135,7 @@ def build_actor(cfg: JobConfig, world_size: int, device_kind: str):
     deepspeed = _deepspeed()
 
     ds = ds_config.render(cfg, world_size, device_kind)
-    model, keep = _from_pretrained(_policy_class(cfg.model.path), cfg.model.path, cfg, ds)
+    model, keep = _from_pretrained(policy_auto_class(is_vision_model(cfg.model.path)), cfg.model.path, cfg, ds)
     if is_vision_model(cfg.model.path) and not cfg.model.train_vision:
         freeze_vision_tower(model)
     model = _with_lora(model, cfg.model.lora, "model.lora", skip_prefixes=policy_skip(cfg))
@@ -175,7 +168,7 @@ def build_reference(cfg: JobConfig, world_size: int, device_kind: str):
     deepspeed = _deepspeed()
 
     ds = ds_config.render(cfg, world_size, device_kind, train=False)
-    model, keep = _from_pretrained(_policy_class(cfg.model.path), cfg.model.path, cfg, ds)
+    model, keep = _from_pretrained(policy_auto_class(is_vision_model(cfg.model.path)), cfg.model.path, cfg, ds)
     for p in model.parameters():
         p.requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=ds)
