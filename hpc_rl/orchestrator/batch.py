@@ -25,6 +25,8 @@ PER_SAMPLE = ("prompts", "responses", "loss_masks", "rollout_logprobs", "version
               "prompt_ids")
 # The per-sample fields a teacher fills (on-policy distillation), None without one.
 TEACHER = ("teacher_logprobs", "teacher_top_ids", "teacher_top_logprobs")
+# The per-sample fields that may be None for the whole batch.
+OPTIONAL = ("episode_ids", *TEACHER, "images", "token_versions")
 
 
 @dataclass
@@ -55,13 +57,17 @@ class RolloutBatch:
     # Each sample's prompt images, encoded (a vision-language policy; the prompt's ids hold their tokens); None: no
     # sample has one. The samples of a group share the list.
     images: list[list[bytes]] | None = None
+    # The policy version that sampled each response token (observations: the version of the turn before them);
+    # None: every token of a sample comes from its `versions` entry. Differs from it only with in-flight updates
+    # (rollout.inflight_updates), where weights change while a sample is generated.
+    token_versions: list[list[int]] | None = None
 
     def __post_init__(self):
         n = len(self.prompts)
         for name in PER_SAMPLE:
             if len(getattr(self, name)) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(self, name))} entries for {n} samples")
-        for name in ("episode_ids", *TEACHER, "images"):
+        for name in OPTIONAL:
             vals = getattr(self, name)
             if vals is not None and len(vals) != n:
                 raise ValueError(f"RolloutBatch.{name} has {len(vals)} entries for {n} samples")
@@ -93,7 +99,14 @@ class RolloutBatch:
             scores=None if self.scores is None else pick(self.scores), stats=dict(self.stats),
             episode_ids=None if self.episode_ids is None else pick(self.episode_ids),
             images=None if self.images is None else pick(self.images),
+            token_versions=None if self.token_versions is None else pick(self.token_versions),
             **{name: None if getattr(self, name) is None else pick(getattr(self, name)) for name in TEACHER})
+
+    def per_token_versions(self) -> list[list[int]]:
+        """The version of every response token of each sample (token_versions, or the sample's version)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [[v] * len(r) for v, r in zip(self.versions, self.responses)]
 
     # ------------------------------------------------------------------ episodes
 
@@ -136,6 +149,7 @@ class RolloutBatch:
             scores=None if self.scores is None else self.scores + [0.0] * k, stats=self.stats,
             episode_ids=(self.episode_ids or list(range(n))) + [FILLER] * k,
             images=None if self.images is None else self.images + [self.images[0]] * k,
+            token_versions=None if self.token_versions is None else self.token_versions + [[version]] * k,
             **{name: None if getattr(self, name) is None else getattr(self, name) + [[filler]] * k
                for name, filler in zip(TEACHER, (0.0, [], []))})
         return out
@@ -151,9 +165,12 @@ class RolloutBatch:
         episodes = [] if any(b.episode_ids is not None for b in batches) else None
         teacher = {name: [] for name in TEACHER if getattr(first, name) is not None}
         images = [] if any(b.images is not None for b in batches) else None
+        token_versions = [] if any(b.token_versions is not None for b in batches) else None
         for b in batches:
             if images is not None:
                 images += b.images if b.images is not None else [[] for _ in range(len(b))]
+            if token_versions is not None:
+                token_versions += b.per_token_versions()
             if {name for name in TEACHER if getattr(b, name) is not None} != set(teacher):
                 raise ValueError("RolloutBatch.concat: some batches have the teacher's log-probs and some do not")
             for name, vals in teacher.items():
@@ -177,7 +194,7 @@ class RolloutBatch:
                 rm_ids += b.reward_model_ids
         return RolloutBatch(step=first.step, **out, reward_parts=parts, reward_model_ids=rm_ids,
                             stats=dict(first.stats if stats is None else stats), episode_ids=episodes,
-                            images=images, **teacher)
+                            images=images, token_versions=token_versions, **teacher)
 
     # ------------------------------------------------------------------ checkpoints
 

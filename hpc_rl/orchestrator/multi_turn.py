@@ -65,6 +65,12 @@ class Trajectory:
     tool_seconds: float = 0.0
     truncated: bool = False
     version: int | None = None
+    token_versions: list[int] = field(default_factory=list)  # per response token (observations: the turn's before)
+
+    @property
+    def mixed(self) -> bool:
+        """Whether its tokens come from more than one policy version."""
+        return len(set(self.token_versions)) > 1
     done: bool = False
     last_turn: object = field(default=None, repr=False)  # the SampleOut of the turn just sampled
     step_started: float | None = None  # monotonic start of the environment step running now
@@ -173,6 +179,7 @@ class MultiTurnRollout:
             t.response_ids += s.token_ids
             t.mask += [1] * len(s.token_ids)
             t.logprobs += s.logprobs
+            t.token_versions += s.token_versions(version)
             t.turns += 1
             t.version = version if t.version is None else min(t.version, version)
             t.last_turn = s
@@ -228,6 +235,7 @@ class MultiTurnRollout:
         t.response_ids += ids
         t.mask += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
+        t.token_versions += [t.token_versions[-1] if t.token_versions else (t.version or 0)] * len(ids)
         return True
 
     def _check_step(self, out, index: int) -> tuple[list[dict] | None, float | None, bool]:

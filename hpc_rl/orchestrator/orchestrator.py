@@ -122,7 +122,7 @@ class Orchestrator:
             evaluate = lambda version: self.evaluator.evaluate(version, version)  # noqa: E731 (version = step)
         return RolloutPipeline(self.maker.make, self._push_weights, r.async_steps, first_step, self.cfg.trainer.steps,
                                ready=ready, wait_timeout_s=4 * r.request_timeout_s * (r.retries + 1),
-                               evaluate=evaluate, eval_rows=eval_rows)
+                               evaluate=evaluate, eval_rows=eval_rows, inflight=r.inflight_updates)
 
     # ------------------------------------------------------------------ batches and rewards
 
@@ -273,5 +273,11 @@ class Orchestrator:
         """The orchestrator's part of a step's metrics: the batch's generation and reward statistics, the pipeline's
         idle time and the samples' policy lag (the trainer held version `batch.step` when the step began)."""
         lag = [batch.step - v for v in batch.versions]
-        return {**batch.stats, "rollout_idle_seconds": self.pipeline.idle_seconds(t_start, t_end),
-                "policy_lag_mean": sum(lag) / len(lag), "policy_lag_max": max(lag)}
+        out = {**batch.stats, "rollout_idle_seconds": self.pipeline.idle_seconds(t_start, t_end),
+               "policy_lag_mean": sum(lag) / len(lag), "policy_lag_max": max(lag)}
+        if self.cfg.rollout.inflight_updates:  # per trained token, and how many samples changed weights midway
+            per_token = batch.per_token_versions()
+            tok = [batch.step - v for vs, m in zip(per_token, batch.loss_masks) for v, k in zip(vs, m) if k]
+            out.update(token_lag_mean=sum(tok) / len(tok) if tok else 0.0, token_lag_max=max(tok, default=0),
+                       inflight_mixed_frac=sum(len(set(vs)) > 1 for vs in per_token) / len(per_token))
+        return out

@@ -144,7 +144,8 @@ class Sampler:
                 loss_masks=[t.mask for t in trajs], rollout_logprobs=[t.logprobs for t in trajs],
                 versions=[int(t.version) for t in trajs], truncated=[bool(t.truncated) for t in trajs],
                 group_ids=[j // n for j in range(len(trajs))], prompt_ids=[int(r["id"]) for r in rows],
-                reward_parts={"environment": [t.env_reward for t in trajs]})
+                reward_parts={"environment": [t.env_reward for t in trajs]},
+                token_versions=[t.token_versions for t in trajs] if any(t.mixed for t in trajs) else None)
             texts = [t.final_text for t in trajs]  # the final answer: what reward functions score
         else:
             turn_stats = {}
@@ -152,13 +153,16 @@ class Sampler:
             images = [dataset.images[i] for i in idx] if any(dataset.images) else None
             res = self.client.generate([dataset.token_ids[i] for i in idx], params, step=step, images=images)
             out = [(i, s, int(v)) for i, samples, v in zip(idx, res.outputs, res.policy_versions) for s in samples]
+            token_versions = [s.token_versions(v) for _, s, v in out]
             batch = RolloutBatch(
                 step=step, prompts=[dataset.token_ids[i] for i, _, _ in out],
                 responses=[list(s.token_ids) for _, s, _ in out], loss_masks=[[1] * len(s.token_ids) for _, s, _ in out],
-                rollout_logprobs=[list(s.logprobs) for _, s, _ in out], versions=[v for _, _, v in out],
+                rollout_logprobs=[list(s.logprobs) for _, s, _ in out],
+                versions=[tv[0] if tv else v for tv, (_, _, v) in zip(token_versions, out)],
                 truncated=[s.finish_reason == "length" for _, s, _ in out], group_ids=[j // n for j in range(len(out))],
                 prompt_ids=[int(r["id"]) for r in rows],
-                images=None if images is None else [dataset.images[i] for i, _, _ in out])
+                images=None if images is None else [dataset.images[i] for i, _, _ in out],
+                token_versions=token_versions if any(s.versions for _, s, _ in out) else None)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, s, _ in out]
         gen_s = time.time() - t0
         prompt_texts = [dataset.texts[i] for i in idx for _ in range(n)]

@@ -141,7 +141,7 @@ def register_server_routes(service) -> None:
 
     The server checks the token and size limits and maps CollectiveError to a one-line 400. join and
     update answer at once; the work runs in a thread and GET /collective/status reports
-    {joined, busy, error, version, seconds}. An update loads inside `service.weight_gate.loading()` (no
+    {joined, busy, error, version, seconds}. An update loads inside `service.loading_weights()` (no
     generation sees half-updated weights) and sets the policy version before generations resume.
     """
     engine = service.engine
@@ -186,9 +186,9 @@ def register_server_routes(service) -> None:
 
         def receive() -> float:
             # Running generations finish first; none starts until the new weights and version are in.
-            with service.weight_gate.loading():
+            with service.loading_weights():
                 secs = target.collective_receive(version, plan)
-                service.policy_version = version
+                service.loaded(version)
             service.count("weight_updates")
             log.info("weights: policy_version %d loaded over the collective in %.3fs", version, secs)
             return secs

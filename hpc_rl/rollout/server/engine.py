@@ -61,6 +61,48 @@ class FairLock:
                 self._cond.notify_all()
 
 
+class StepGate:
+    """Decoding steps against an in-flight weight swap (rollout.inflight_updates): a swap waits for the steps in
+    progress, not for whole generations, and holds the next steps back until the new weights are in; a swap asked
+    for goes before steps that have not started, so a busy engine cannot starve it."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._stepping = 0
+        self._swapping = False
+        self._wanted = 0
+
+    @contextlib.contextmanager
+    def step(self):
+        with self._cond:
+            while self._swapping or self._wanted:
+                self._cond.wait()
+            self._stepping += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._stepping -= 1
+                self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def swap(self):
+        with self._cond:
+            self._wanted += 1
+            try:
+                while self._swapping or self._stepping:
+                    self._cond.wait()
+            finally:
+                self._wanted -= 1
+            self._swapping = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._swapping = False
+                self._cond.notify_all()
+
+
 class Engine(abc.ABC):
     """A model that samples completions and can swap its weights in place."""
 
@@ -75,6 +117,17 @@ class Engine(abc.ABC):
 
     # Whether prompts may carry images (a vision-language model the engine feeds them to).
     takes_images: bool = False
+
+    # Whether generations continue across a weight load (rollout.inflight_updates): `swapping()` pauses them between
+    # decoding steps instead of waiting for them, and each sample reports the version of every token
+    # (SampleOut.versions) from `weights_version`, which the server sets inside `swapping()`.
+    inflight: bool = False
+    weights_version: int = 0
+
+    def swapping(self) -> contextlib.AbstractContextManager:
+        """Hold every decoding step back while the caller loads weights and sets weights_version (engines with
+        `inflight` only)."""
+        raise NotImplementedError(f"the {self.name} engine cannot swap weights under running generations")
 
     @abc.abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams,

@@ -19,7 +19,7 @@ from ...models import load_causal_lm
 from ...models.vision import RowPixels, VisionSpec, is_vision_model, mrope_positions
 from ..wire.protocol import BadRequest, PolicyNotFinite
 from ..wire.sampling import SampleOut, SamplingParams, TopLogprobs
-from .engine import Cancelled, Engine, FairLock
+from .engine import Cancelled, Engine, FairLock, StepGate
 
 log = logging.getLogger("hpc_rl")
 
@@ -98,6 +98,9 @@ class HFEngine(Engine):
             self._no_sample = torch.tensor([self.vision.image_pad_id], device=self.device)
         # One computation at a time (concurrent ones would split the engine's threads between them), taken in turns.
         self._turns = FairLock()
+        # Weight loads under running generations (rollout.inflight_updates) wait for one decoding step, not a chunk.
+        self._steps = StepGate()
+        self.inflight = True
         self.batch_samples = int(cfg.rollout.hf_batch_samples)
         log.info("hf engine: %s on %s, dtype %s, attention %s, threads %s", cfg.model.path, self.device,
                  dtype, attn, torch.get_num_threads())
@@ -166,12 +169,14 @@ class HFEngine(Engine):
         ids, mask = ids.to(self.device), mask.to(self.device)
         vis = self._vision(row_images)
         pos = self._positions(ids, mask, vis)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vis)
+        with self._steps.step():
+            version = self.weights_version  # of the weights that computed `logits` (and the KV cache)
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **vis)
         past = out.past_key_values
         logits = out.logits[:, -1, :]
         last_pos = pos[..., -1]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        toks, lps = [], []
+        toks, lps, versions = [], [], []
         for step in range(params.max_new_tokens):
             if cancel is not None and cancel.is_set():  # the client went away: stop between decode steps
                 raise Cancelled("the client went away")
@@ -191,13 +196,26 @@ class HFEngine(Engine):
             tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
             toks.append(tok)
             lps.append(raw.gather(-1, tok[:, None]).squeeze(-1))
+            versions.append(version)
             done = done | torch.isin(tok, stop_ids)
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[..., None],
-                             past_key_values=past, use_cache=True)
+            with self._steps.step():
+                if self.weights_version != version:
+                    # New weights arrived in flight: the cache holds the old weights' keys and values, so the
+                    # prompt and the tokens so far run through the new weights once, and every later token is
+                    # sampled from exactly the new policy (its log-prob is that policy's).
+                    version = self.weights_version
+                    gen = torch.stack(toks, dim=1)
+                    k = torch.arange(1, gen.shape[1] + 1, device=self.device)
+                    out = self.model(input_ids=torch.cat([ids, gen], dim=1), attention_mask=mask,
+                                     position_ids=torch.cat([pos, pos[..., -1:] + k], dim=-1), use_cache=True,
+                                     **vis)
+                else:
+                    out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[..., None],
+                                     past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :]
         tok_m = torch.stack(toks, dim=1).cpu().tolist()
@@ -212,7 +230,8 @@ class HFEngine(Engine):
                 if t in stop_set:
                     reason = "stop"
                     break
-            results.append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason))
+            results.append(SampleOut(token_ids=t_row, logprobs=l_row, finish_reason=reason,
+                                     versions=versions[:len(t_row)]))
         return results
 
     def _generators(self, prompts: int, params: SamplingParams) -> list[torch.Generator]:
@@ -253,6 +272,8 @@ class HFEngine(Engine):
             out.logprobs += part.logprobs
             out.top_ids += part.top_ids
             out.top_logprobs += part.top_logprobs
+            # In flight, chunks may straddle a swap: the oldest version that computed a row (as for samples).
+            out.version = part.version if out.version is None else min(out.version, part.version)
         return out
 
     @torch.inference_mode()
@@ -270,15 +291,17 @@ class HFEngine(Engine):
             mask[i, :len(t)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         vis = self._vision(row_images)
-        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=self._positions(ids, mask, vis),
-                            **vis).logits.float()
+        with self._steps.step():
+            version = self.weights_version
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=self._positions(ids, mask, vis),
+                                **vis).logits.float()
         if not bool(torch.isfinite(logits).all()):
             raise PolicyNotFinite("the model's logits are not finite")
         all_lp = torch.log_softmax(logits[:, :-1, :], dim=-1)
         logp = all_lp.gather(-1, ids[:, 1:, None].to(self.device)).squeeze(-1).cpu()
         # Position j predicts token j+1, so tokens[pl:] are scored by positions pl-1 .. len-2 (pl >= 1).
         spans = [(pl - 1, len(t) - 1) for t, pl in zip(token_ids, prompt_lens)]
-        out = TopLogprobs([logp[i, a:z].tolist() for i, (a, z) in enumerate(spans)], [], [])
+        out = TopLogprobs([logp[i, a:z].tolist() for i, (a, z) in enumerate(spans)], [], [], version)
         if k:
             top_lp, top_ids = (x.cpu() for x in all_lp.topk(k, dim=-1))
             out.top_ids = [top_ids[i, a:z].tolist() for i, (a, z) in enumerate(spans)]
@@ -292,10 +315,14 @@ class HFEngine(Engine):
 
     @torch.inference_mode()
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        with self._turns.turn():
-            for name, t in named_tensors:
-                dst = self._params[name]
-                dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+        # No lock of its own: the server loads with no generation running (its weight gate) or inside swapping(),
+        # and a version that comes in several buckets must load whole before the next decoding step.
+        for name, t in named_tensors:
+            dst = self._params[name]
+            dst.copy_(t.to(device=dst.device, dtype=dst.dtype))
+
+    def swapping(self):
+        return self._steps.swap()
 
     def close(self) -> None:
         self.model = None

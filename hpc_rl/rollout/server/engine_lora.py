@@ -60,6 +60,21 @@ class LoraMergingEngine(Engine):
     def takes_images(self) -> bool:
         return self.inner.takes_images
 
+    @property
+    def inflight(self) -> bool:
+        return self.inner.inflight
+
+    @property
+    def weights_version(self) -> int:
+        return self.inner.weights_version
+
+    @weights_version.setter
+    def weights_version(self, version: int) -> None:
+        self.inner.weights_version = version
+
+    def swapping(self):
+        return self.inner.swapping()
+
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, cancel=None,
                  images=None) -> list[list[SampleOut]]:
         return self.inner.generate(prompt_token_ids, params, cancel, images)

@@ -32,6 +32,7 @@ from ...netutil import advertise_host
 from ...rundir import RunDir, read_json, write_json_atomic
 from ..wire import openai_api, protocol
 from ..wire.protocol import DRAIN_S, BadRequest, Busy, Draining, PolicyNotFinite
+from ..wire.sampling import SampleOut
 from ..wire.tool_calls import check_template_tools
 from ..wire.weights import WeightError, load_path, tensors_from_bytes, validate_named_tensors
 from .app import HttpServer, bind, make_app
@@ -94,12 +95,14 @@ class WeightGate:
         return self._active
 
     @contextlib.contextmanager
-    def loading(self):
+    def loading(self, wait_for_generations: bool = True):
+        """Held while weights load: new generations wait; running ones finish first unless `wait_for_generations`
+        is False (in-flight updates: the engine pauses them between decoding steps instead)."""
         with self._cond:
             while self._loading:
                 self._cond.wait()
             self._loading = True
-            while self._active:
+            while self._active and wait_for_generations:
                 self._cond.wait()
         try:
             yield
@@ -122,8 +125,13 @@ class RolloutService:
 
     def __init__(self, engine: Engine, run: RunDir, model_path: str, limits: protocol.RequestLimits,
                  vocab: int | None, trust_remote_code: bool = False, max_in_flight: int = 256,
-                 openai_defaults: openai_api.Defaults | None = None):
+                 openai_defaults: openai_api.Defaults | None = None, inflight_updates: bool = False):
+        if inflight_updates and not engine.inflight:
+            raise HpcRlError(f"rollout.inflight_updates: the {engine.name} engine cannot swap weights under running "
+                             "generations; set rollout.engine: hf or rollout.inflight_updates: false")
         self.engine = engine
+        # Weight loads pause running generations between decoding steps instead of waiting for them to finish.
+        self.inflight = bool(inflight_updates)
         self.openai_defaults = openai_defaults or openai_api.Defaults()
         self.trust_remote_code = trust_remote_code
         self._tokenizer = None  # loaded on the first /v1/ request (the trainer sends token ids)
@@ -155,9 +163,26 @@ class RolloutService:
         self.routes[(method.upper(), path.rstrip("/"))] = fn
 
     def set_policy_version(self, version: int) -> None:
-        """For weight transports that load outside this class; waits for running generations."""
-        with self.weight_gate.loading():
-            self.policy_version = int(version)
+        """For weight transports that load outside this class; waits for running generations (or, in flight, for
+        their decoding step)."""
+        with self.loading_weights():
+            self.loaded(version)
+
+    @contextlib.contextmanager
+    def loading_weights(self):
+        """Held around a weight load: no generation sees half-loaded weights. Without in-flight updates running
+        generations finish first (each reports the one version that produced it); with them, generations pause
+        between decoding steps and continue with the new weights."""
+        if not self.inflight:
+            with self.weight_gate.loading():
+                yield
+            return
+        with self.weight_gate.loading(wait_for_generations=False), self.engine.swapping():
+            yield
+
+    def loaded(self, version: int) -> None:
+        """The weights of `version` are in (called inside loading_weights)."""
+        self.engine.weights_version = self.policy_version = int(version)
 
     def count(self, key: str, inc: float = 1) -> None:
         with self._count_lock:
@@ -214,7 +239,7 @@ class RolloutService:
                 t0 = time.perf_counter()
                 outputs = await self._generate(prompts, params, cancel, images)
                 dt = time.perf_counter() - t0
-                version = self.policy_version
+                version = self._version_of(outputs)
         ntok = sum(len(s.token_ids) for row in outputs for s in row)
         with self._count_lock:
             self._counters["generate_requests"] += 1
@@ -223,6 +248,19 @@ class RolloutService:
             self._counters["last_batch_tokens_per_s"] = round(ntok / dt, 2) if dt > 0 else 0.0
         log.debug("generate: %d prompts x %d, %d tokens in %.3fs", len(prompts), params.n, ntok, dt)
         return {"policy_version": version, "outputs": protocol.outputs_to_json(outputs)}
+
+    def _version_of(self, outputs: list[list[SampleOut]]) -> int:
+        """The response's policy version: the oldest that sampled a token of it (the one that sampled all of them,
+        unless weights changed in flight); samples whose tokens all come from it drop their per-token versions."""
+        seen = [s.versions[0] for row in outputs for s in row if s.versions]
+        if not seen:
+            return self.policy_version
+        version = min(seen)
+        for row in outputs:
+            for s in row:
+                if s.versions is not None and all(v == version for v in s.versions):
+                    s.versions = None
+        return version
 
     async def _generate(self, prompts: list[list[int]], params, cancel: threading.Event | None = None,
                         images: list[list[bytes]] | None = None):
@@ -285,7 +323,7 @@ class RolloutService:
         with self._admitted():
             async with self.weight_gate.generating():
                 outputs = await self._generate(req.prompts, req.params, cancel)
-                version = self.policy_version
+                version = self._version_of(outputs)
         self.count("generate_requests")
         self.count("generated_tokens", sum(len(s.token_ids) for row in outputs for s in row))
         return respond(req, outputs, lambda ids: tok.decode(ids, skip_special_tokens=True), self.model_path, version)
@@ -307,7 +345,7 @@ class RolloutService:
                     check_finite([row for rows in top.top_logprobs for row in rows], "top_logprobs")
                 except PolicyNotFinite as e:
                     raise self._not_finite(e) from None
-                version = self.policy_version
+                version = self.policy_version if top.version is None else top.version
         out = {"policy_version": version, "logprobs": top.logprobs}
         if top_k:
             out.update(top_ids=top.top_ids, top_logprobs=top.top_logprobs)
@@ -315,10 +353,10 @@ class RolloutService:
 
     def _swap(self, named: list, version: int) -> None:
         self._take_work()
-        with self.weight_gate.loading():
+        with self.loading_weights():
             self.engine.load_weights(named)
             self.engine.reset_cache()
-            self.policy_version = version
+            self.loaded(version)
         self.count("weight_updates")
         log.info("weights: loaded %d tensors, policy_version %d", len(named), version)
 
@@ -434,7 +472,8 @@ def serve(run_dir: str, index: int, device: str | None = None, role: str = "roll
         PHASES.mark("engine loaded")
         service = RolloutService(engine, run, str(served.model.path), protocol.RequestLimits.of(served.rollout),
                                  model_vocab_size(str(served.model.path)), served.model.trust_remote_code,
-                                 served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout))
+                                 served.rollout.max_requests_in_flight, openai_api.Defaults.of(served.rollout),
+                                 inflight_updates=served.rollout.inflight_updates and not service_role)
         if service_role:
             service.frozen_role = role
         else:

@@ -294,13 +294,14 @@ def parse_images(body: dict, n_prompts: int, field: str = "images") -> list[list
 
 
 def outputs_to_json(outputs: list[list[SampleOut]]) -> list[list[dict]]:
-    return [[{"token_ids": s.token_ids, "logprobs": s.logprobs, "finish_reason": s.finish_reason} for s in row]
+    return [[{"token_ids": s.token_ids, "logprobs": s.logprobs, "finish_reason": s.finish_reason,
+              **({"versions": s.versions} if s.versions is not None else {})} for s in row]
             for row in outputs]
 
 
 def outputs_from_json(data: list[list[dict]]) -> list[list[SampleOut]]:
-    return [[SampleOut(token_ids=s["token_ids"], logprobs=s["logprobs"], finish_reason=s["finish_reason"])
-             for s in row] for row in data]
+    return [[SampleOut(token_ids=s["token_ids"], logprobs=s["logprobs"], finish_reason=s["finish_reason"],
+                       versions=s.get("versions")) for s in row] for row in data]
 
 
 def parse_score(body: Any, vocab: int | None, max_length: int) -> list[list[int]]:

@@ -43,6 +43,13 @@ class SampleOut:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    # The policy version that sampled each token, when weights changed during the sample (in-flight updates);
+    # None: every token comes from the response's policy_version.
+    versions: list[int] | None = None
+
+    def token_versions(self, version: int) -> list[int]:
+        """The version of each token, `version` (the response's) where the engine reported none."""
+        return list(self.versions) if self.versions is not None else [int(version)] * len(self.token_ids)
 
 
 @dataclass
@@ -53,3 +60,4 @@ class TopLogprobs:
     logprobs: list[list[float]]
     top_ids: list[list[list[int]]]
     top_logprobs: list[list[list[float]]]
+    version: int | None = None  # the policy version that computed them, when the engine knows (in-flight updates)

@@ -1,0 +1,115 @@
+"""`hpc-rl run` with rollout.inflight_updates: pushes land while a batch is generated, the later tokens of a sample
+come from the newer weights and say so, every token's log-prob is its own version's (rescored by that version's
+checkpoint), and a run killed mid-way resumes from its checkpoint with the batch it generated ahead."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpc_rl import checkpoints, config
+from hpc_rl.metrics import read_metrics
+from hpc_rl.models import load_causal_lm
+from hpc_rl.models.loading import load_tokenizer
+from hpc_rl.rundir import RunDir
+from hpc_rl.train import checkpoint
+from hpc_rl.train.experience import pack, policy_forward
+
+from .local_run import poll, procs_of
+
+REPO = Path(__file__).resolve().parent.parent
+TOY = REPO / "jobs" / "toy-grpo-cpu.yaml"
+STEPS = 6
+# Long generations in small chunks against a small training batch: the trainer's pushes come while a batch is still
+# being generated (most of each step), as on GPUs where the longest responses decide the step time.
+OVERRIDES = [f"trainer.steps={STEPS}", "rollout.async_steps=1", "rollout.inflight_updates=true",
+             "rollout.max_new_tokens=40", "rollout.hf_batch_samples=4", "trainer.prompts_per_step=4",
+             "trainer.mini_batch_size=32", "checkpoint.every=1", "checkpoint.keep_last=20",
+             "logging.tensorboard=false"]
+pytestmark = pytest.mark.slow
+
+
+def _start(cwd: Path, log: Path, *extra: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "hpc_rl.cli", "run", str(TOY), *OVERRIDES, *extra]
+    return subprocess.Popen(args, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+@pytest.fixture(scope="module")
+def inflight_run(tmp_path_factory):
+    """One run, killed (SIGKILL) after step 3 and resumed to the end; its logs."""
+    cwd = tmp_path_factory.mktemp("inflight")
+    log = cwd / "a0.log"
+    proc = _start(cwd, log)
+    found = poll("the run dir", lambda: list((cwd / "runs").glob("*/job.yaml")), 300, proc, log)
+    run = RunDir(found[0].parent)
+    poll("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while procs_of(run.root, "hpc_rl.") and time.time() < deadline:
+        time.sleep(0.2)
+    log = cwd / "a1.log"
+    proc = _start(cwd, log, "--resume", str(run.root))
+    assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
+    return run, log
+
+
+def test_pushes_land_in_flight_and_tokens_carry_their_versions(inflight_run):
+    run, _ = inflight_run
+    rows = read_metrics(run.metrics)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for r in rows:
+        # Batch s starts with version s - 1: no token is older, and tokens after an in-flight push are newer.
+        assert r["policy_lag_max"] == min(r["step"] - 1, 1), r
+        assert 0 <= r["token_lag_mean"] <= r["token_lag_max"] <= r["policy_lag_max"], r
+        assert 0 <= r["inflight_mixed_frac"] <= 1
+    # From step 2 every batch starts with the version before the trainer's: newer tokens bring the mean below 1.
+    assert any(r["token_lag_mean"] < 1 for r in rows[1:]), rows
+    assert any(r["inflight_mixed_frac"] > 0 for r in rows), rows
+
+
+def test_every_token_is_its_own_versions(inflight_run):
+    """The batches checkpoints hold (generated ahead) are rescored, token by token, by the checkpoint of the version
+    each token reports: they agree; the tokens that changed version mid-sample disagree with the version before."""
+    run, _ = inflight_run
+    cfg = config.load(run.job_yaml)
+    pad = load_tokenizer(cfg.model.path).pad_token_id
+    models: dict = {}
+
+    def logprobs_of(version, b):
+        if version not in models:
+            path = cfg.model.path if version == 0 else checkpoints.step_dir(run, version) / "hf"
+            models[version] = load_causal_lm(str(path), dtype="float32").eval()
+        packed = pack(b.prompts, b.responses, pad)
+        with torch.no_grad():
+            lp, _ = policy_forward(models[version], packed)
+        return lp
+
+    moved = 0
+    for step in range(1, STEPS):
+        (b,) = checkpoint.load_pending(checkpoints.step_dir(run, step))
+        per_token = b.per_token_versions()
+        assert [v[0] for v in per_token] == b.versions  # a sample's version: its first (oldest) token's
+        for version in sorted({v for vs in per_token for v in vs}):
+            lp = logprobs_of(version, b)
+            for i, vs in enumerate(per_token):
+                for j, v in enumerate(vs):
+                    if v == version:
+                        assert abs(lp[i, j].item() - b.rollout_logprobs[i][j]) < 1e-4, (step, i, j, version)
+                    elif v == version + 1 and vs[0] == version:  # a token after the push, against the old weights
+                        moved += 1
+    assert moved > 0, "no sample changed version mid-way: the pushes did not land in flight"
+
+
+def test_a_killed_inflight_run_resumes_with_its_batch_generated_ahead(inflight_run):
+    run, log = inflight_run
+    assert re.search(r"resumed from \S+ \(step \d+, 1 batch\(es\) generated ahead\)", log.read_text()), \
+        log.read_text()[-3000:]
+    assert [r["step"] for r in read_metrics(run.metrics)] == list(range(1, STEPS + 1))
