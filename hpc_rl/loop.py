@@ -230,8 +230,8 @@ def fit(cfg: JobConfig, run: RunDir, dist, learner, orch) -> None:
 
 def save(learner, orch) -> None:
     """A checkpoint of the learner's step with the orchestrator's part (rank 0's); collective."""
-    pending, shaper = orch.checkpoint_state(learner.step) if orch is not None else (None, None)
-    learner.save_checkpoint(pending, shaper)
+    pending, state = orch.checkpoint_state(learner.step) if orch is not None else (None, None)
+    learner.save_checkpoint(pending, state)
 
 
 def roll_back(run: RunDir, version: int | None) -> str:
@@ -257,7 +257,8 @@ def train(cfg: JobConfig, run: RunDir, dist) -> None:
     orch = None
     try:
         if dist.is_main:
-            resumed = Resumed(state["step"], state["reward_shaper"], state["pending"]) if state else Resumed()
+            resumed = Resumed(state["step"], state["reward_shaper"], state["pending"],
+                              state.get("partial_rollouts")) if state else Resumed()
             orch = Orchestrator(cfg, run, learner.tokenizer, resumed)
             PHASES.mark("servers ready")
         # torch's, DeepSpeed's and transformers' objects (about a million) live as long as the run: a full collection

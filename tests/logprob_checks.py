@@ -71,3 +71,33 @@ def multi_turn_check(run, model_dir, max_model_len: int, turns: int = 3, rows: i
             if m:
                 diff = max(diff, abs(float(mine[i, j]) - lp))
     return diff, trajs
+
+
+def check_each_token_is_its_versions(run, batches) -> int:
+    """Rescore every response token of `batches` (a run's RolloutBatches) with the model of the policy version it
+    reports (model.path for 0, else that step's checkpoint): each agrees with the engine's log-prob within 1e-4.
+    Returns how many tokens came after a version change within their sample (checked against the newer version)."""
+    from hpc_rl import checkpoints, config
+    from hpc_rl.models.loading import load_tokenizer
+    from hpc_rl.train.experience import pack, policy_forward
+
+    cfg = config.load(run.job_yaml)
+    pad = load_tokenizer(cfg.model.path).pad_token_id
+    models: dict = {}
+    moved = 0
+    for b in batches:
+        per_token = b.per_token_versions()
+        assert [v[0] for v in per_token] == b.versions  # a sample's version: its first (oldest) token's
+        packed = pack(b.prompts, b.responses, pad)
+        for version in sorted({v for vs in per_token for v in vs}):
+            if version not in models:
+                path = cfg.model.path if version == 0 else checkpoints.step_dir(run, version) / "hf"
+                models[version] = load_causal_lm(str(path), dtype="float32").eval()
+            with torch.no_grad():
+                lp, _ = policy_forward(models[version], packed)
+            for i, vs in enumerate(per_token):
+                for j, v in enumerate(vs):
+                    if v == version:
+                        assert abs(lp[i, j].item() - b.rollout_logprobs[i][j]) < 1e-4, (b.step, i, j, version)
+                        moved += v != vs[0]
+    return moved

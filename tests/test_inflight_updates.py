@@ -155,6 +155,21 @@ def test_a_push_during_a_generation_request(model_dir, inflight):
     body = {"prompt_token_ids": PROMPTS, "n": 2, "max_new_tokens": 12, "seed": 3}
     res: dict = {}
     started = threading.Event()
+    seen = {"generating": False}
+    generate, load = engine.generate, engine.load_weights
+
+    def generating(*a, **k):
+        seen["generating"] = True
+        try:
+            return generate(*a, **k)
+        finally:
+            seen["generating"] = False
+
+    def loading(named):
+        seen["loaded_while_generating"] = seen["generating"]
+        load(named)
+
+    engine.generate, engine.load_weights = generating, loading
 
     def request():
         async def go():
@@ -171,18 +186,17 @@ def test_a_push_during_a_generation_request(model_dir, inflight):
         while not service.weight_gate.active:
             time.sleep(0.001)
     service._swap(new, 1)
-    pushed_while_generating = t.is_alive()
     t.join(60)
     if hook is not None:
         hook.remove()
     r = res["r"]
     outs = protocol.outputs_from_json(r["outputs"])
     if inflight:
-        assert pushed_while_generating
+        assert seen["loaded_while_generating"]
         assert r["policy_version"] == 0
         assert all(s.versions == [0] * SWAP_AFTER + [1] * 9 for row in outs for s in row)
     else:
-        assert not pushed_while_generating
+        assert not seen["loaded_while_generating"]
         assert r["policy_version"] == 0 and all(s.versions is None for row in outs for s in row)
     assert service.policy_version == engine.weights_version == 1
 

@@ -36,12 +36,19 @@ def test_toy_job_learns(job, tmp_path):
     assert last5 - first >= 0.6, rewards
 
 
+# Partial rollouts with no extra prompts and a whole response per segment: each step waits for all its groups, so
+# they must make exactly the samples of the run without them.
+WHOLE_PARTIAL = ["rollout.partial=true", "rollout.partial_tokens=6", "rollout.partial_extra_prompts=0"]
+
+
 @pytest.mark.parametrize("job,extra", [("toy-ppo-cpu.yaml", []), ("toy-grpo-cpu.yaml", ["rollout.async_steps=1"]),
-                                       ("toy-ppo-cpu.yaml", ["rollout.async_steps=1"])])
+                                       ("toy-ppo-cpu.yaml", ["rollout.async_steps=1"]),
+                                       ("toy-grpo-cpu.yaml", ["rollout.async_steps=1", *WHOLE_PARTIAL])])
 def test_six_steps_give_the_golden_samples(job, extra, tmp_path):
     """The first 6 steps of PPO with a critic and of both algorithms with asynchronous rollouts (one step ahead)
-    are bit-equal to their golden files, and async steps keep the staleness bound. Their 80-step learning runs left
-    CI for its time limit: the same step code learns in the GRPO, LoRA and reward-model runs."""
+    are bit-equal to their golden files, and async steps keep the staleness bound; so are partial rollouts that
+    carry nothing over. Their 80-step learning runs left CI for its time limit: the same step code learns in the
+    GRPO, LoRA and reward-model runs."""
     run = _run(job, tmp_path, ["trainer.steps=6", *extra])
     golden_samples.check(job.removesuffix(".yaml") + ("-async" if extra else "") + "-6steps", run)
     rows = read_metrics(run / "metrics.jsonl")

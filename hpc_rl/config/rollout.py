@@ -112,6 +112,21 @@ class RolloutConfig:
     # the newest weights there are and carries that version (RolloutBatch.token_versions). Samples then depend on
     # when the pushes land: a seeded run is not reproducible token for token; README "In-flight weight updates".
     inflight_updates: bool = False
+    # Partial rollouts (single-turn prompts): a step generates at most partial_tokens more tokens of each response,
+    # trains on the groups that are complete (those carried over from earlier steps first) and carries the others
+    # over to the next step, where they continue with the weights of then; a checkpoint keeps them, a resume is exact.
+    # README "Partial rollouts".
+    partial: bool = False
+    # Tokens each response may generate per step with rollout.partial; null: a quarter of max_new_tokens (at least 1).
+    partial_tokens: int | None = None
+    # Prompts generated beyond a step's prompts_per_step with rollout.partial: the batch is full once prompts_per_step
+    # groups are complete, and the rest (the longest) are carried over; null: half of prompts_per_step (at least 1).
+    # 0: a step waits for all its groups (with partial_tokens >= max_new_tokens: a run without partial rollouts).
+    partial_extra_prompts: int | None = None
+    # With rollout.partial: the most policy versions a trained token may lag the step that trains it; a group with an
+    # older token is dropped (stale_dropped_groups). At least async_steps (fresh samples lag that much); null: no
+    # bound beyond the one partial_tokens sets (a response is carried at most max_new_tokens / partial_tokens steps).
+    max_token_staleness: int | None = None
     # Multi-turn rollouts: the environment class as pkg.module:Class (hpc_rl.rollout.environments.base has the
     # interface; built in: hpc_rl.rollout.environments.tool_env:ToolCallEnv), or verifiers:ID, an installed verifiers
     # environment (its episodes run as agents; data.source names it too); null: one completion per prompt.
@@ -145,6 +160,17 @@ class RolloutConfig:
     agent_timeout_s: float = 600.0
     # The fraction of a step's episodes that may be lost; more stops the run (its finished steps checkpointed).
     agent_max_failed_frac: float = 0.5
+
+    def extra_prompts(self, prompts_per_step: int) -> int:
+        """partial_extra_prompts, its null resolved (half of prompts_per_step, at least 1)."""
+        if self.partial_extra_prompts is not None:
+            return self.partial_extra_prompts
+        return max(1, prompts_per_step // 2)
+
+    @property
+    def segment_tokens(self) -> int:
+        """partial_tokens, its null resolved (a quarter of max_new_tokens, at least 1)."""
+        return self.partial_tokens if self.partial_tokens is not None else max(1, self.max_new_tokens // 4)
 
     @property
     def server_wait_s(self) -> float:
@@ -188,6 +214,7 @@ def check(cfg: JobConfig, need) -> None:
         need(r.engine != "vllm", "rollout.inflight_updates: hpc-rl's vLLM engine still lets running generations "
              "finish before a weight update; set rollout.engine: hf (or auto, which then picks hf), or "
              "rollout.inflight_updates: false")
+    _check_partial(cfg, need)
     verifiers = is_verifiers(r.env)
     if verifiers:
         _check_verifiers(cfg, need)
@@ -204,6 +231,26 @@ def check(cfg: JobConfig, need) -> None:
              "hpc_rl.rollout.environments.toy_agents:lookup_agent")
         need(r.env is None, "rollout.agent and rollout.env are both set; an episode is either an agent's or an "
              "environment's: remove one")
+
+
+def _check_partial(cfg: JobConfig, need) -> None:
+    r = cfg.rollout
+    if not r.partial:
+        for key in ("partial_tokens", "partial_extra_prompts", "max_token_staleness"):
+            need(getattr(r, key) is None, f"rollout.{key}: set, but rollout.partial is false; it applies to partial "
+                 "rollouts: set rollout.partial: true or remove it")
+        return
+    need(r.env is None and r.agent is None, "rollout.partial: carries single-turn responses over; multi-turn "
+         "environments and agents (rollout.env / rollout.agent) keep their episodes whole: remove one")
+    need(not cfg.algorithm.dynamic_sampling.enabled, "rollout.partial: and algorithm.dynamic_sampling both decide "
+         "which groups a step trains on; use one")
+    need(1 <= r.segment_tokens <= r.max_new_tokens, f"rollout.partial_tokens must be in [1, rollout.max_new_tokens = "
+         f"{r.max_new_tokens}]; got {r.partial_tokens}")
+    need(r.partial_extra_prompts is None or r.partial_extra_prompts >= 0,
+         f"rollout.partial_extra_prompts must be >= 0; got {r.partial_extra_prompts}")
+    need(r.max_token_staleness is None or r.max_token_staleness >= r.async_steps,
+         f"rollout.max_token_staleness ({r.max_token_staleness}) must be >= rollout.async_steps ({r.async_steps}): "
+         "a fresh sample already lags that much, so every group would be dropped")
 
 
 def _check_verifiers(cfg: JobConfig, need) -> None:

@@ -20,6 +20,7 @@ from ..rollout.wire.sampling import SamplingParams
 from . import seeds
 from .batch import RolloutBatch
 from .dynamic_sampling import dynamic_batch
+from .partial import PartialRollouts
 from .sampling import Sampled, Sampler
 
 log = logging.getLogger("hpc_rl")
@@ -35,11 +36,16 @@ class BatchMaker:
         self.client = sampler.client
         self.dataset = PromptDataset(cfg.data, sampler.tokenizer, cfg.seed, vision=sampler.vision)
         self.scoring = sampler.training_scoring()
+        # rollout.partial: the groups still running, carried from step to step.
+        self.partial = PartialRollouts(cfg, self.dataset, self.client, sampler.stop_ids) if cfg.rollout.partial \
+            else None
 
     def make(self, step: int) -> RolloutBatch:
         """The batch of `step`: token ids, the engine's log-probs and policy version per sample, the reward parts
         (unshaped) and stats. With algorithm.dynamic_sampling, only groups with a reward spread (more rounds)."""
         cfg = self.cfg
+        if self.partial is not None:  # its prompts come in the same order, as the pool makes room for them
+            return self._partial(step)
         idx = indices_for_step(len(self.dataset), cfg.trainer.prompts_per_step, cfg.seed, step, cfg.data.shuffle)
         if not cfg.algorithm.dynamic_sampling.enabled:
             return self.generate(step, idx, 0)
@@ -56,6 +62,19 @@ class BatchMaker:
         if self.teacher is not None:
             self._teacher_logprobs(sampled.batch)
         return sampled.batch
+
+    def _partial(self, step: int) -> RolloutBatch:
+        """The complete groups of the pool (carried ones first) after the segments this step runs."""
+        n = self.cfg.algorithm.group_size
+        batch, partial_stats, groups = self.partial.make(step, n)
+        texts = [self.sampler.tokenizer.decode(r, skip_special_tokens=True) for r in batch.responses]
+        rows = [self.dataset.rows[i] for i in groups for _ in range(n)]
+        sampled = self.sampler.scored(batch, self.dataset, groups, n, texts, rows, self.scoring,
+                                      partial_stats.pop("gen_seconds"))
+        batch.stats = {**self._stats(step, groups, sampled), **partial_stats}
+        if self.teacher is not None:
+            self._teacher_logprobs(batch)
+        return batch
 
     def _teacher_logprobs(self, b: RolloutBatch) -> None:
         """The teacher's log-prob of every response token (observations included; the loss masks leave them out), and

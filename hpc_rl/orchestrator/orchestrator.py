@@ -44,11 +44,13 @@ MAX_RECOVERIES = 3
 
 @dataclass
 class Resumed:
-    """What a checkpoint gives the orchestrator back: the reward shaper's state and the batches generated ahead."""
+    """What a checkpoint gives the orchestrator back: the reward shaper's state, the batches generated ahead and
+    (rollout.partial) the groups carried over after the last of them."""
 
     step: int = 0
     shaper: dict | None = None
     pending: list[RolloutBatch] = field(default_factory=list)
+    partial: list[dict] | None = None
 
 
 class Orchestrator:
@@ -109,7 +111,10 @@ class Orchestrator:
         self.policy_version = resumed.step  # the trainer's, as the orchestrator knows it
         self._recoveries = 0  # waits for servers since the last finished step (a step that keeps failing stops)
         self._check_sync = None  # set by push: the learner's probe to compare the servers' log-probs with
-        self.pipeline = self._new_pipeline(resumed.step, pending[:cfg.rollout.async_steps])
+        ready = pending[:cfg.rollout.async_steps]
+        if self.maker.partial is not None:  # the pool as it was after the last batch kept (or the last trained)
+            self.maker.partial.load(resumed.partial, resumed.step + len(ready) - 1)
+        self.pipeline = self._new_pipeline(resumed.step, ready)
         tracker = tracking.Tracker(cfg, run) if tracking.enabled(cfg) else None
         self.metrics = MetricsWriter(run.metrics, run.tensorboard if cfg.logging.tensorboard else None,
                                      resume_step=resumed.step, tracker=tracker)
@@ -130,9 +135,12 @@ class Orchestrator:
         """The batch of `step` from the pipeline (generated now, or ahead); raises RolloutError (no server answered),
         PolicyNotFiniteError, or the HpcRlError of a failed push or evaluation."""
         batch = self.pipeline.get(step)
-        n = self.cfg.rollout.async_steps
+        r = self.cfg.rollout
+        n = r.async_steps
         oldest = min(batch.versions)
-        if self.policy_version - oldest > n:  # no sample may be more than async_steps versions old
+        # No sample may be more than async_steps versions old; carried partial rollouts are bounded where they are
+        # carried (rollout.max_token_staleness).
+        if self.policy_version - oldest > n and not r.partial:
             raise RolloutError(f"step {step + 1}: rollout servers answered with policy version {oldest} but the trainer "
                                f"is at {self.policy_version} (rollout.async_steps {n} allows {n} version(s) of lag); "
                                "a server missed a weight update")
@@ -220,7 +228,10 @@ class Orchestrator:
         self._recoveries += 1
         ready, rows = self.pipeline.take_ready(step), self.pipeline.eval_rows()
         self.pipeline.close()
-        self.pipeline = self._new_pipeline(step, ready[:self.cfg.rollout.async_steps], rows)
+        ready = ready[:self.cfg.rollout.async_steps]
+        if self.maker.partial is not None:  # the batches dropped took groups from the pool: back to before them
+            self.maker.partial.rewind(step + len(ready) - 1)
+        self.pipeline = self._new_pipeline(step, ready, rows)
         self.pipeline.push(named, version)
 
     # ------------------------------------------------------------------ metrics, checkpoints, the end
@@ -250,7 +261,11 @@ class Orchestrator:
         """What a checkpoint of `step` keeps of the orchestrator: the batches generated ahead (their rewards are shaped
         when trained on) and the shaper's state; evaluations of earlier versions finish first (no kill loses one)."""
         self.pipeline.wait_evals(step)
-        return self.pipeline.pending(step), self.shaper.state_dict()
+        pending = self.pipeline.pending(step)
+        state = {"reward_shaper": self.shaper.state_dict()}
+        if self.maker.partial is not None:
+            state["partial_rollouts"] = self.maker.partial.state_after(step + len(pending) - 1)
+        return pending, state
 
     def finish(self, step: int, preempted: bool) -> None:
         """The end of the loop: stop the pipeline (its worker finishes a push in flight), leave the weight-sync group,

@@ -164,7 +164,12 @@ class Sampler:
                 images=None if images is None else [dataset.images[i] for i, _, _ in out],
                 token_versions=token_versions if any(s.versions for _, s, _ in out) else None)
             texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for _, s, _ in out]
-        gen_s = time.time() - t0
+        return self.scored(batch, dataset, idx, n, texts, rows, scoring, time.time() - t0, turn_stats)
+
+    def scored(self, batch: RolloutBatch, dataset: PromptDataset, idx: list[int], n: int, texts: list[str],
+               rows: list[dict], scoring: Scoring, gen_s: float, turn_stats: dict | None = None) -> Sampled:
+        """A generated batch (group j: `n` samples of prompt idx[j]; `texts`: what rewards score) with its reward
+        parts."""
         prompt_texts = [dataset.texts[i] for i in idx for _ in range(n)]
         t1 = time.time()
         view = batch.episodes()  # an episode earns one reward: its parts are scored once, given to all its samples
@@ -173,7 +178,7 @@ class Sampler:
             batch.reward_parts = {k: batch.per_sample(v) for k, v in view.reward_parts.items()}
             if view.reward_model_ids is not None:
                 batch.reward_model_ids = batch.per_sample(view.reward_model_ids)
-        return Sampled(batch, texts, prompt_texts, rows, gen_s, time.time() - t1, turn_stats, judgments)
+        return Sampled(batch, texts, prompt_texts, rows, gen_s, time.time() - t1, turn_stats or {}, judgments)
 
     def _score(self, batch: RolloutBatch, scoring: Scoring, prompt_texts: list[str], texts: list[str],
                rows: list[dict]) -> Judgments | None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 # Seeds stay below 2**62 so that seed + j (j < n) is a valid generator seed for torch and vLLM alike.
 _BITS = 62
-TRAIN, EVAL, DATA_ROUND = 1, 2, 3
+TRAIN, EVAL, DATA_ROUND, PARTIAL = 1, 2, 3, 4
 
 
 def mix(*parts: int) -> int:
@@ -52,6 +52,12 @@ def training(run_seed: int, step: int, round_: int = 0) -> SeedStream:
 def evaluation(run_seed: int, step: int) -> SeedStream:
     """The evaluation of the policy after `step` steps (irrelevant when greedy)."""
     return SeedStream(run_seed, EVAL, step)
+
+
+def partial_segment(run_seed: int, step: int, position: int, sample: int, segment: int) -> int:
+    """The seed of segment `segment` (>= 1) of a partial rollout: sample `sample` of the prompt at `position` among
+    training step `step`'s prompts (its segment 0 has the seed a run without partial rollouts gives it)."""
+    return mix(run_seed, PARTIAL, step, position, sample, segment)
 
 
 def round_data_seed(run_seed: int, round_: int) -> int:

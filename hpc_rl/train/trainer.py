@@ -390,15 +390,16 @@ class Trainer:
             return None
         return RowPixels.of(self.vision, images)
 
-    def save_checkpoint(self, pending: list[RolloutBatch] | None, shaper: dict | None) -> Path | None:
+    def save_checkpoint(self, pending: list[RolloutBatch] | None, orchestrator: dict | None) -> Path | None:
         """Every rank's DeepSpeed shards, rank 0's HF folder (the adapters alone under LoRA) and trainer state with
-        the orchestrator's part (`pending` batches, the `shaper` state; rank 0's); collective."""
+        the orchestrator's part (`pending` batches, and its state: the reward shaper's, partial rollouts'; rank
+        0's); collective."""
         t0 = time.time()
         hf_sd = None
         if self.cfg.checkpoint.save_hf:
             hf_sd = adapter_state_dict(self.actor) if self.lora else gather_state_dict(self.actor)
-        state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": shaper,
-                 "seed": self.cfg.seed, "world_size": self.dist.world_size,
+        state = {"step": self.step, "kl_controller": self.kl_ctl.state_dict(), "reward_shaper": None,
+                 **(orchestrator or {}), "seed": self.cfg.seed, "world_size": self.dist.world_size,
                  "zero_stage": self.cfg.trainer.zero_stage}
         path = checkpoint.save(self.run, self.step, self.engines, state, hf_sd, self.actor.module.config,
                                self.tokenizer, self.cfg.checkpoint.keep_last, self.dist.rank, pending,
