@@ -225,8 +225,7 @@ def start_rollout_server(run: RunDir, cfg: JobConfig, index: int, devices: list 
         env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
     env.setdefault("HPC_RL_ROLLOUT_THREADS", str(cpu_threads(cfg, 1, "rollout", cpus)))
     svc = cfg.services.roles().get(kind)  # a service's server runs its own engine (or rollout.engine)
-    engine = (svc.engine if svc is not None else None) or cfg.rollout.engine
-    if engine == "hf" or (engine == "auto" and svc is None and cfg.rollout.inflight_updates):  # auto then picks hf
+    if ((svc.engine if svc is not None else None) or cfg.rollout.engine) == "hf":
         # OpenMP's threads otherwise spin after every parallel region, taking the cores the trainer ranks (or other
         # jobs on a shared node) need: two toy runs on 2 cores generate 4x faster (0.9 -> 0.2 s a step) and step
         # 17% faster with idle threads asleep; alone the same. vLLM's CPU worker pins its threads and is left as is.

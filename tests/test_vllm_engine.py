@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 import torch
@@ -169,6 +170,48 @@ def test_collective_sync_through_the_server_routes(engine, tiny_path, tmp_path):
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_inflight_swap_aborts_and_continues_each_sample_with_the_new_weights(engine, tiny_path):
+    """rollout.inflight_updates on vLLM: swapping() aborts the running samples, which continue from their prefix
+    after the load; tokens before the swap carry the old version and fit the old weights, those after it the new."""
+    from hpc_rl.rollout.wire.sampling import SamplingParams
+
+    old, new = _perturbed(tiny_path, seed=11), _perturbed(tiny_path, seed=12)
+    engine.load_weights(list(old.state_dict().items()))
+    engine.weights_version = 10
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    out: dict = {}
+    gen = threading.Thread(target=lambda: out.setdefault("rows", engine.generate(
+        prompts, SamplingParams(n=4, max_new_tokens=120, seed=3, stop_token_ids=[]))))
+    gen.start()
+    deadline = time.monotonic() + 60
+    while not engine._llm.output_processor.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.1)  # a few decoding steps
+    with engine.swapping():
+        engine.load_weights(list(new.state_dict().items()))
+        engine.reset_cache()
+        engine.weights_version = 11
+    gen.join(120)
+    mixed = 0
+    err = {"old": [], "new": [], "old_after": []}
+    for p, row in zip(prompts, out["rows"]):
+        for s in row:
+            assert len(s.versions) == len(s.token_ids) == len(s.logprobs) and s.versions == sorted(s.versions)
+            assert set(s.versions) <= {10, 11} and s.finish_reason in ("stop", "length")
+            k = s.versions.count(10)
+            mixed += 0 < k < len(s.versions)
+            seq = p + s.token_ids
+            lp_old, lp_new = _hf_logprobs(old, seq, len(p)), _hf_logprobs(new, seq, len(p))
+            err["old"] += [abs(a - b) for a, b in zip(s.logprobs[:k], lp_old[:k])]
+            err["new"] += [abs(a - b) for a, b in zip(s.logprobs[k:], lp_new[k:])]
+            err["old_after"] += [abs(a - b) for a, b in zip(s.logprobs[k:], lp_old[k:])]
+    mean = {k: sum(v) / max(len(v), 1) for k, v in err.items()}
+    print(f"in-flight swap: {mixed} of 8 samples span it; mean |logprob diff| {mean}")
+    assert mixed >= 1, "the swap came before or after every sample"
+    assert mean["old"] < BF16_LOGPROB_TOL and mean["new"] < BF16_LOGPROB_TOL
+    assert mean["old_after"] > 3 * mean["new"]  # the continued tokens are the new weights', not the old
 
 
 def test_kv_cache_that_does_not_fit_names_the_number_and_the_knob(tiny_path):

@@ -8,7 +8,13 @@ threads) submit coroutines to the loop.
 
 Weights reach vLLM's worker process (not this one) as a safetensors file in /dev/shm whose path goes
 through `collective_rpc`, or over the collective group (wire/collective.py); `HpcRlWorkerExtension` loads them
-with vLLM's layerwise reload, which also refreshes the CPU GEMM's prepacked weights. Create engines under `if __name__ == "__main__":` or in
+with vLLM's layerwise reload, which also refreshes the CPU GEMM's prepacked weights.
+
+In-flight updates (rollout.inflight_updates) abort and continue: `swapping()` pauses the scheduler with
+mode="abort" (vLLM hands back every running request with its tokens and log-probs so far), the weights load, the
+prefix cache is reset, and each aborted sample is sent again as its prompt plus those tokens, for the tokens it has
+left, with the new weights (which read the prefix afresh: every later token is exactly the new policy's).
+vLLM 0.32's other mode, "keep", would continue on KV caches of the old weights. Create engines under `if __name__ == "__main__":` or in
 a spawned server process (vLLM spawns its engine core). CPU threads: vLLM binds its worker to the cores
 of VLLM_CPU_OMP_THREADS_BIND (default "auto": all cores of a NUMA node but one reserved); set it (e.g.
 "0") to leave cores to trainer ranks on the same machine.
@@ -127,6 +133,8 @@ class VLLMEngine(Engine):
         self.startup_seconds = time.perf_counter() - t0
         self._specs: dict | None = None
         self._lock = threading.Lock()  # weight updates are exclusive with each other
+        self.inflight = True
+        self._swap_held = False  # swapping(): the scheduler is paused (requests aborted) and the lock held
         log.info("vllm engine up in %.1fs (%s, dtype %s, tp %d, kv cache %s)", self.startup_seconds, self.path,
                  self.dtype, self.tensor_parallel,
                  f"{self.kv_cache_bytes / 2**20:.0f} MiB" if self.kv_cache_bytes else "from gpu_memory_utilization")
@@ -157,7 +165,8 @@ class VLLMEngine(Engine):
         return self._sched
 
     async def _many(self, prompts: list[list[int]], sps: list):
-        """Admit the whole batch while the scheduler is held, then collect the final outputs.
+        """Admit the whole batch while the scheduler is held, then collect the final outputs; with the weights'
+        version they were admitted under (a swap aborts them, so no token of theirs comes from a later one).
 
         Without the hold, the engine core starts stepping on the first request while the rest are still
         arriving one by one: the batch runs as a staircase of partial batches, more decode steps for the
@@ -170,10 +179,11 @@ class VLLMEngine(Engine):
             try:
                 qs = [await self._llm.add_request(uuid.uuid4().hex, {"prompt_token_ids": p}, sp)
                       for p, sp in zip(prompts, sps)]
+                version = self.weights_version
             finally:
                 await core.resume_scheduler_async()
         try:
-            return await asyncio.gather(*(_final(q) for q in qs))
+            return await asyncio.gather(*(_final(q) for q in qs)), version
         except BaseException:
             await self._llm.abort([q.request_id for q in qs], internal=True)
             raise
@@ -200,17 +210,25 @@ class VLLMEngine(Engine):
                            top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
                            stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
                            output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False))
-        outs = await self._many(prompt_token_ids, sps)
-        result = []
-        for ro in outs:
-            samples = []
-            for c in sorted(ro.outputs, key=lambda c: c.index):
-                toks = list(c.token_ids)
-                # logprobs=0 returns the sampled token's raw log-prob (logprobs_mode=raw_logprobs) per step.
-                lps = [float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)]
-                samples.append(SampleOut(token_ids=toks, logprobs=lps, finish_reason=_finish(c.finish_reason)))
-            result.append(samples)
-        return result
+        outs, version = await self._many(prompt_token_ids, sps)
+        result = [[_sample(c, version) for c in sorted(ro.outputs, key=lambda c: c.index)] for ro in outs]
+        while True:  # samples a weight swap aborted continue from their prefix with the new weights
+            cut = [(i, j) for i, row in enumerate(result) for j, s in enumerate(row) if s.finish_reason == "abort"]
+            if not cut:
+                return result
+            more, version = await self._many(
+                [prompt_token_ids[i] + result[i][j].token_ids for i, j in cut],
+                [VSP(n=1, max_tokens=params.max_new_tokens - len(result[i][j].token_ids),
+                     temperature=params.temperature, top_p=params.top_p,
+                     top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=list(params.stop_token_ids),
+                     seed=_continued_seed(params.prompt_seed(i), j, len(result[i][j].token_ids)), logprobs=0,
+                     output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False) for i, j in cut])
+            for (i, j), ro in zip(cut, more):
+                s, c = result[i][j], _sample(ro.outputs[0], version)
+                s.token_ids += c.token_ids
+                s.logprobs += c.logprobs
+                s.versions += c.versions
+                s.finish_reason = c.finish_reason
 
     def prompt_top_logprobs(self, token_ids: list[list[int]], prompt_lens: list[int], k: int,
                             cancel=None, images=None) -> TopLogprobs:
@@ -225,8 +243,15 @@ class VLLMEngine(Engine):
         # k=0 exactly the actual token's log-prob.
         sp = VSP(max_tokens=1, temperature=0.0, prompt_logprobs=k, output_kind=RequestOutputKind.FINAL_ONLY,
                  detokenize=False)
-        outs = await self._many(token_ids, [sp] * len(token_ids))
-        res = TopLogprobs([], [], [])
+        outs, version = await self._many(token_ids, [sp] * len(token_ids))
+        while True:  # a weight swap aborted some: score them again with the new weights
+            cut = [i for i, ro in enumerate(outs) if str(ro.outputs[0].finish_reason) == "abort"]
+            if not cut:
+                break
+            again, version = await self._many([token_ids[i] for i in cut], [sp] * len(cut))
+            for i, ro in zip(cut, again):
+                outs[i] = ro
+        res = TopLogprobs([], [], [], version)
         for toks, pl, ro in zip(token_ids, prompt_lens, outs):
             plp = ro.prompt_logprobs[max(pl, 1):len(toks)]
             res.logprobs.append([float(d[t].logprob) for d, t in zip(plp, toks[max(pl, 1):])])
@@ -268,8 +293,46 @@ class VLLMEngine(Engine):
         finally:
             os.unlink(path)
 
+    def swapping(self):
+        """Abort what runs (generate_async continues it after the swap) and hold the scheduler until the caller has
+        loaded the weights and set weights_version."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def held():
+            async def pause():
+                await self._sched_lock().acquire()
+                try:
+                    await self._llm.engine_core.pause_scheduler_async(mode="abort", clear_cache=False)
+                except BaseException:
+                    self._sched_lock().release()
+                    raise
+
+            async def resume():
+                try:
+                    await self._llm.reset_prefix_cache()
+                    await self._llm.engine_core.resume_scheduler_async()
+                finally:
+                    self._sched_lock().release()
+
+            with self._lock:
+                self._run(pause())
+                self._swap_held = True
+                try:
+                    yield
+                finally:
+                    self._swap_held = False
+                    self._run(resume())
+
+        return held()
+
     def _update(self, rpc_coro_factory):
-        """Pause scheduling (in-flight requests finish on the old weights), run the update, reset the cache."""
+        """Pause scheduling (in-flight requests finish on the old weights), run the update, reset the cache; inside
+        swapping() the scheduler is paused already and the update just runs."""
+        if self._swap_held:
+            secs = self._run(rpc_coro_factory())
+            return max(secs) if isinstance(secs, list) and secs else secs
+
         async def go():
             async with self._sched_lock():  # no batch admission resumes the scheduler mid-update
                 await self._llm.pause_generation(mode="wait", clear_cache=False)
@@ -285,7 +348,8 @@ class VLLMEngine(Engine):
         return max(secs) if isinstance(secs, list) and secs else secs
 
     def reset_cache(self) -> None:
-        self._run(self._llm.reset_prefix_cache())
+        if not self._swap_held:  # (swapping() resets it before resuming)
+            self._run(self._llm.reset_prefix_cache())
 
     # ------------------------------------------------------------------ collective (see collective_receiver.py)
     def collective_workers(self) -> int:
@@ -329,6 +393,20 @@ async def _final(q):
         out = q.get_nowait() or await q.get()
         if out.finished:
             return out
+
+
+def _sample(c, version: int) -> SampleOut:
+    """One vLLM CompletionOutput as a sample, each token tagged with `version`."""
+    toks = list(c.token_ids)
+    # logprobs=0 returns the sampled token's raw log-prob (logprobs_mode=raw_logprobs) per step.
+    lps = [float(c.logprobs[j][t].logprob) for j, t in enumerate(toks)]
+    return SampleOut(token_ids=toks, logprobs=lps, finish_reason=_finish(c.finish_reason),
+                     versions=[version] * len(toks))
+
+
+def _continued_seed(seed: int | None, child: int, done: int) -> int | None:
+    """The seed of child `child`'s continuation after `done` tokens (seeded requests stay seeded)."""
+    return None if seed is None else (seed + child + 1_000_003 * done) % 2**63
 
 
 def _finish(reason) -> str:

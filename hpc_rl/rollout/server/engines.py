@@ -40,12 +40,6 @@ def _make_engine(cfg: JobConfig, device: str) -> Engine:
     # auto: prefer vLLM, fall back to HF with the reason logged.
     from ...models.vision import is_vision_model
 
-    if cfg.rollout.inflight_updates:
-        from .engine_hf import HFEngine
-
-        log.info("rollout engine: hf (rollout.engine=auto; rollout.inflight_updates: the HF engine swaps weights "
-                 "between decoding steps)")
-        return HFEngine(cfg, device)
     if is_vision_model(cfg.model.path):
         from .engine_hf import HFEngine
 
