@@ -33,7 +33,8 @@ def test_table_aligns_columns():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["vs_trl.py", "overhead.py", "scaling.py", "pipeline.py", "multi_turn.py",
-                                    "agent_overhead.py", "judge.py", "distill.py", "vlm.py", "startup.py"])
+                                    "agent_overhead.py", "judge.py", "distill.py", "vlm.py", "startup.py",
+                                    "partial.py"])
 def test_script_parses_arguments(script):
     p = subprocess.run([sys.executable, str(REPO / "bench" / script), "--help"], capture_output=True, text=True,
                        timeout=120)
