@@ -39,3 +39,25 @@ def procs_of(run_root: Path, naming: str = "") -> list[int]:
         if state != "Z" and str(run_root).encode() in cmd and naming.encode() in cmd:
             pids.append(int(d.name))
     return pids
+
+
+def start_run(job: Path, cwd: Path, log: Path, *args: str) -> subprocess.Popen:
+    """`hpc-rl run JOB ARGS...` in `cwd`, its output to `log`, in a session of its own (killpg reaches it all)."""
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "hpc_rl.cli", "run", str(job), *args], cwd=cwd,
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+
+
+def kill_at_step(proc: subprocess.Popen, run_root: Path, log: Path, step: int, steps: int) -> None:
+    """SIGKILL the whole run once its log shows `step`, then wait (up to 15 s) for its processes to be gone."""
+    import re
+    import signal
+
+    poll(f"step {step}", lambda: re.search(rf"step {step}/{steps} ", log.read_text(errors="replace")), 300, proc, log)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 15
+    while procs_of(run_root, "hpc_rl.") and time.time() < deadline:
+        time.sleep(0.2)

@@ -2,12 +2,8 @@
 come from the newer weights and say so, every token's log-prob is its own version's (rescored by that version's
 checkpoint), and a run killed mid-way resumes from its checkpoint with the batch it generated ahead."""
 
-import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +13,7 @@ from hpc_rl.metrics import read_metrics
 from hpc_rl.rundir import RunDir
 from hpc_rl.train import checkpoint
 
-from .local_run import poll, procs_of
+from .local_run import kill_at_step, poll, start_run
 from .logprob_checks import check_each_token_is_its_versions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,9 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def _start(cwd: Path, log: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "hpc_rl.cli", "run", str(TOY), *OVERRIDES, *extra]
-    return subprocess.Popen(args, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    return start_run(TOY, cwd, log, *OVERRIDES, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +40,7 @@ def inflight_run(tmp_path_factory):
     proc = _start(cwd, log)
     found = poll("the run dir", lambda: list((cwd / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
-    poll("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.time() + 15
-    while procs_of(run.root, "hpc_rl.") and time.time() < deadline:
-        time.sleep(0.2)
+    kill_at_step(proc, run.root, log, 3, STEPS)
     log = cwd / "a1.log"
     proc = _start(cwd, log, "--resume", str(run.root))
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]

@@ -3,12 +3,8 @@ continued with the next step's weights (every token's log-prob is its own versio
 and a run killed by SIGKILL resumes on exactly the data of an uninterrupted one."""
 
 import json
-import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,7 +14,7 @@ from hpc_rl.metrics import read_metrics
 from hpc_rl.rundir import RunDir
 from hpc_rl.train import checkpoint
 
-from .local_run import poll, procs_of
+from .local_run import kill_at_step, poll, start_run
 from .logprob_checks import check_each_token_is_its_versions
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,9 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 def _start(cwd: Path, log: Path, *extra: str) -> subprocess.Popen:
-    args = [sys.executable, "-m", "hpc_rl.cli", "run", str(TOY), *OVERRIDES, *extra]
-    return subprocess.Popen(args, cwd=cwd, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
+    return start_run(TOY, cwd, log, *OVERRIDES, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +64,7 @@ def test_sigkill_resumes_on_exactly_the_uninterrupted_data(straight, tmp_path):
     proc = _start(tmp_path, log)
     found = poll("the run dir", lambda: list((tmp_path / "runs").glob("*/job.yaml")), 300, proc, log)
     run = RunDir(found[0].parent)
-    poll("step 3", lambda: re.search(rf"step 3/{STEPS} ", log.read_text(errors="replace")), 300, proc, log)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    deadline = time.time() + 15
-    while procs_of(run.root, "hpc_rl.") and time.time() < deadline:
-        time.sleep(0.2)
+    kill_at_step(proc, run.root, log, 3, STEPS)
     log = tmp_path / "a1.log"
     proc = _start(tmp_path, log, "--resume", str(run.root))
     assert proc.wait(timeout=600) == 0, log.read_text()[-3000:]
