@@ -134,10 +134,9 @@ class PartialRollouts:
                 keep = [g for g in pool if g.oldest() is None or step - g.oldest() <= self.max_staleness]
                 dropped += len(pool) - len(keep)
                 pool = keep
+                cursor = self._take_prompts(pool, cursor, group_size)  # dropped groups make room for new prompts
             if sum(g.done for g in pool) >= want or all(g.done for g in pool):
                 break
-            if dropped:  # dropped groups make room for new prompts
-                cursor = self._take_prompts(pool, cursor, group_size)
             self._segment(pool, step)
             segments += 1
         take = [g for g in pool if g.done][:want]
