@@ -128,9 +128,9 @@ class RolloutService:
                  openai_defaults: openai_api.Defaults | None = None, inflight_updates: bool = False):
         if inflight_updates and not engine.inflight:
             raise HpcRlError(f"rollout.inflight_updates: the {engine.name} engine cannot swap weights under running "
-                             "generations; set rollout.engine: hf or rollout.inflight_updates: false")
+                             "generations; serve it with rollout.engine: hf or vllm, or set rollout.inflight_updates: false")
         self.engine = engine
-        # Weight loads pause running generations between decoding steps instead of waiting for them to finish.
+        # Weight loads pause running generations (engine.swapping()) instead of waiting for them to finish.
         self.inflight = bool(inflight_updates)
         self.openai_defaults = openai_defaults or openai_api.Defaults()
         self.trust_remote_code = trust_remote_code
