@@ -179,9 +179,11 @@ class MultiTurnRollout:
             t.response_ids += s.token_ids
             t.mask += [1] * len(s.token_ids)
             t.logprobs += s.logprobs
-            t.token_versions += s.token_versions(version)
+            turn_versions = s.token_versions(version)
+            t.token_versions += turn_versions
             t.turns += 1
-            t.version = version if t.version is None else min(t.version, version)
+            first = turn_versions[0] if turn_versions else version  # this sample's own oldest token, not the request's
+            t.version = first if t.version is None else min(t.version, first)
             t.last_turn = s
 
     def _record_turn(self, t: Trajectory) -> None:

@@ -63,6 +63,7 @@ class HFEngine(Engine):
     """transformers AutoModelForCausalLM in eval mode; left-padded batches with a KV cache."""
 
     name = "hf"
+    inflight = True  # swapping(): between decoding steps
 
     def __init__(self, cfg, device: str = "cpu"):
         if not cfg.model.path:
@@ -100,7 +101,6 @@ class HFEngine(Engine):
         self._turns = FairLock()
         # Weight loads under running generations (rollout.inflight_updates) wait for one decoding step, not a chunk.
         self._steps = StepGate()
-        self.inflight = True
         self.batch_samples = int(cfg.rollout.hf_batch_samples)
         log.info("hf engine: %s on %s, dtype %s, attention %s, threads %s", cfg.model.path, self.device,
                  dtype, attn, torch.get_num_threads())

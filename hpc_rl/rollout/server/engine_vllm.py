@@ -89,6 +89,7 @@ class VLLMEngine(Engine):
     """vllm.v1 AsyncLLM on its event loop (`loop`); tensor-parallel over cfg.rollout.tensor_parallel devices."""
 
     reloads_whole_layers = True  # hpc_reload_weights: vLLM's layerwise reload
+    inflight = True  # swapping(): abort and continue
 
     name = "vllm"
 
@@ -133,7 +134,6 @@ class VLLMEngine(Engine):
         self.startup_seconds = time.perf_counter() - t0
         self._specs: dict | None = None
         self._lock = threading.Lock()  # weight updates are exclusive with each other
-        self.inflight = True
         self._swap_held = False  # swapping(): the scheduler is paused (requests aborted) and the lock held
         log.info("vllm engine up in %.1fs (%s, dtype %s, tp %d, kv cache %s)", self.startup_seconds, self.path,
                  self.dtype, self.tensor_parallel,
@@ -200,16 +200,9 @@ class VLLMEngine(Engine):
     async def generate_async(self, prompt_token_ids: list[list[int]], params: SamplingParams,
                              cancel=None, images=None) -> list[list[SampleOut]]:
         """`cancel` is not needed here: cancelling the awaiting task aborts the requests in vLLM (_many)."""
-        from vllm import SamplingParams as VSP
-        from vllm.sampling_params import RequestOutputKind
-
-        sps = []
-        for i in range(len(prompt_token_ids)):
-            seed = params.prompt_seed(i)  # vLLM seeds the n children of a request with seed + index
-            sps.append(VSP(n=params.n, max_tokens=params.max_new_tokens, temperature=params.temperature,
-                           top_p=params.top_p, top_k=params.top_k if params.top_k > 0 else -1,
-                           stop_token_ids=list(params.stop_token_ids), seed=seed, logprobs=0,
-                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False))
+        # vLLM seeds the n children of a request with seed + index.
+        sps = [_vllm_params(params, params.n, params.max_new_tokens, params.prompt_seed(i))
+               for i in range(len(prompt_token_ids))]
         outs, version = await self._many(prompt_token_ids, sps)
         result = [[_sample(c, version) for c in sorted(ro.outputs, key=lambda c: c.index)] for ro in outs]
         while True:  # samples a weight swap aborted continue from their prefix with the new weights
@@ -218,11 +211,8 @@ class VLLMEngine(Engine):
                 return result
             more, version = await self._many(
                 [prompt_token_ids[i] + result[i][j].token_ids for i, j in cut],
-                [VSP(n=1, max_tokens=params.max_new_tokens - len(result[i][j].token_ids),
-                     temperature=params.temperature, top_p=params.top_p,
-                     top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=list(params.stop_token_ids),
-                     seed=_continued_seed(params.prompt_seed(i), j, len(result[i][j].token_ids)), logprobs=0,
-                     output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False) for i, j in cut])
+                [_vllm_params(params, 1, params.max_new_tokens - len(result[i][j].token_ids),
+                              _continued_seed(params.prompt_seed(i), j, len(result[i][j].token_ids))) for i, j in cut])
             for (i, j), ro in zip(cut, more):
                 s, c = result[i][j], _sample(ro.outputs[0], version)
                 s.token_ids += c.token_ids
@@ -393,6 +383,17 @@ async def _final(q):
         out = q.get_nowait() or await q.get()
         if out.finished:
             return out
+
+
+def _vllm_params(params: SamplingParams, n: int, max_tokens: int, seed: int | None):
+    """vLLM's SamplingParams for `n` samples of up to `max_tokens` with `params`' sampling: raw log-prob of each
+    sampled token, token ids only, the final output alone."""
+    from vllm import SamplingParams as VSP
+    from vllm.sampling_params import RequestOutputKind
+
+    return VSP(n=n, max_tokens=max_tokens, temperature=params.temperature, top_p=params.top_p,
+               top_k=params.top_k if params.top_k > 0 else -1, stop_token_ids=list(params.stop_token_ids), seed=seed,
+               logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
 
 
 def _sample(c, version: int) -> SampleOut:
