@@ -50,7 +50,7 @@ class Resumed:
     step: int = 0
     shaper: dict | None = None
     pending: list[RolloutBatch] = field(default_factory=list)
-    partial: list[dict] | None = None
+    partial: dict | None = None  # PartialRollouts.state_after: the pool and the prompt cursor
 
 
 class Orchestrator:
@@ -290,7 +290,8 @@ class Orchestrator:
         lag = [batch.step - v for v in batch.versions]
         out = {**batch.stats, "rollout_idle_seconds": self.pipeline.idle_seconds(t_start, t_end),
                "policy_lag_mean": sum(lag) / len(lag), "policy_lag_max": max(lag)}
-        if self.cfg.rollout.inflight_updates:  # per trained token, and how many samples changed weights midway
+        r = self.cfg.rollout
+        if r.inflight_updates or r.partial:  # per trained token, and how many samples changed weights midway
             per_token = batch.per_token_versions()
             tok = [batch.step - v for vs, m in zip(per_token, batch.loss_masks) for v, k in zip(vs, m) if k]
             out.update(token_lag_mean=sum(tok) / len(tok) if tok else 0.0, token_lag_max=max(tok, default=0),
