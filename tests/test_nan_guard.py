@@ -37,16 +37,19 @@ SKIP_LIMIT = ("3 optimizer steps in a row were skipped for a non-finite loss or 
 NOT_FINITE = "step 1: the policy is not finite after the update"
 
 
-@pytest.mark.parametrize("job, layout, stop", [(TOY, STAGE_0, SKIP_LIMIT), (LORA_TOY, [], NOT_FINITE)],
+@pytest.mark.parametrize("job, layout, stops", [(TOY, STAGE_0, (SKIP_LIMIT, NOT_FINITE)), (LORA_TOY, [], (NOT_FINITE,))],
                          ids=["stage0", "stage3-lora"])
-def test_a_diverged_update_stops_the_run_before_any_push_or_checkpoint(tmp_path, job, layout, stop):
+def test_a_diverged_update_stops_the_run_before_any_push_or_checkpoint(tmp_path, job, layout, stops):
     """lr 1e30: the first optimizer step applies (finite but absurd weights), the next ones overflow and are skipped.
-    Which guard of the trainer stops the run first follows from the seeded data: at stage 0 (GuardedAdamW) the last
-    3 of step 1's 4 optimizer steps are skipped, which is trainer.max_skipped_in_a_row; under LoRA the check after the
-    update finds the forward non-finite. Either way nothing of the update leaves the trainer."""
+    Under LoRA the check after the update finds the forward non-finite. At stage 0 (GuardedAdamW) the last 3 of step
+    1's 4 optimizer steps are skipped, which is trainer.max_skipped_in_a_row; whether the check after the update
+    finds the forward of those weights non-finite first depends on the CPU's float32 kernels (it does on an AVX-512
+    Xeon, not on an AMD EPYC), so either guard may stop it (tests/test_pipeline.py pins the skip limit alone).
+    Either way nothing of the update leaves the trainer."""
     r = hpc_rl("run", job, "trainer.lr=1e30", "trainer.steps=3", "checkpoint.every=1", *layout, cwd=tmp_path)
     line = error_line(r)
-    assert stop in line, line
+    stop = next((s for s in stops if s in line), None)
+    assert stop is not None, line
     if stop == NOT_FINITE:
         assert "lr 1e+30" in line and "grad_norm inf" in line and "latest checkpoint: none" in line, line
         assert line.endswith("lower trainer.lr (or check the reward scale)"), line

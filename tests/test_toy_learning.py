@@ -105,7 +105,7 @@ def test_toy_job_learns_from_the_reward_model_alone(tmp_path):
     sees (reward.monitor) rises from a random policy's to a last-5 mean >= 0.7 (where trainer.stop_at ends the run).
     The other placements score as the plain model does (tests/test_reward_model_dist.py) and run in a job there."""
     run = _run("toy-ppo-rm-cpu.yaml", tmp_path, ["trainer.stop_at={monitor_mean: 0.7}"])
-    golden_samples.check("toy-ppo-rm-cpu", run)
+    golden_samples.check("toy-ppo-rm-cpu", run, trained_reward_model=True)
     rows = read_metrics(run / "metrics.jsonl")
     monitor = [row["monitor_mean"] for row in rows]
     assert all("reward_function_mean" not in row and "reward_model_logit_mean" in row for row in rows)
