@@ -101,3 +101,21 @@ def test_load_weights_in_place_changes_outputs(model_dir):
     eng.load_weights([("lm_head.weight", torch.zeros(64, 128, dtype=torch.float64))])
     after = eng.prompt_logprobs([[5, 6, 7]], [1])
     assert after[0] == pytest.approx([-math.log(64)] * 2, abs=1e-6) and after != before
+
+
+def test_batched_sampling_draws_what_multinomial_draws_row_by_row():
+    """The engine samples a batch at once; each row's token is still the one torch.multinomial draws from that
+    row's own generator (the samples, and the golden files, do not change with the batching)."""
+    torch.manual_seed(0)
+    for trial in range(30):
+        logits = torch.randn(64, 33) * 3
+        if trial % 3 == 0:
+            logits[:, :10] = float("-inf")  # top-k-filtered rows: zero probabilities
+        probs = torch.softmax(logits, -1)
+        done = torch.rand(64) < 0.3
+        ours = [torch.Generator().manual_seed(100 * trial + i) for i in range(64)]
+        theirs = [torch.Generator().manual_seed(100 * trial + i) for i in range(64)]
+        for _ in range(3):  # the generators' streams go on alike
+            tok = HFEngine._sample(probs, ours, done)
+            want = [0 if d else int(torch.multinomial(p, 1, generator=g)[0]) for p, d, g in zip(probs, done, theirs)]
+            assert tok.tolist() == want
