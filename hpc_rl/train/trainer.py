@@ -31,7 +31,7 @@ from ..orchestrator.batch import RolloutBatch
 from ..rewards.model import HeadTap, forwards_needed, score_sequences
 from ..rundir import RunDir
 from . import checkpoint
-from .distributed import DistInfo, all_gather_floats, all_reduce_scalar, broadcast_object, resolve_device_kind, seed_everything
+from .distributed import DistInfo, all_gather_floats, broadcast_object, resolve_device_kind, seed_everything
 from .ds_config import batch_sizes
 from .engines import (
     adapter_state_dict,
@@ -348,17 +348,20 @@ class Trainer:
     def step_stats(self, shard: Shard, fwd: Forwards, stats: dict) -> tuple[dict, float]:
         """The ranks' statistics averaged (maxima stay maxima) and the KL controller updated: (stats, mean KL);
         collective."""
-        dist = self.dist
-        kl_mean = 0.0
+        stats = dict(stats)
         if self.use_ref:
-            kl_mean = all_reduce_scalar(float(masked_mean(self.kl(fwd), shard.batch.response_mask))) / dist.world_size
-        self.kl_ctl.update(kl_mean, self.cfg.samples_per_step)
+            stats["_kl_mean"] = float(masked_mean(self.kl(fwd), shard.batch.response_mask))
         if shard.teacher_logprobs is not None:  # the student's distance to the teacher on its own samples
             mask = shard.batch.response_mask
             stats["distill/reverse_kl"] = float(masked_mean(reverse_kl(shard.rollout_logprobs,
                                                                        shard.teacher_logprobs), mask))
-        out = {k: all_reduce_scalar(v, "max") if k.endswith("_max") else all_reduce_scalar(v) / dist.world_size
-               for k, v in sorted(stats.items())}
+        # One collective for all of them: one all-reduce per statistic (~25) cost a small model's step ~10 ms.
+        keys = sorted(stats)
+        ranks = all_gather_floats([stats[k] for k in keys]).reshape(self.dist.world_size, len(keys))
+        out = {k: float(ranks[:, i].max()) if k.endswith("_max") else float(ranks[:, i].sum()) / self.dist.world_size
+               for i, k in enumerate(keys)}
+        kl_mean = out.pop("_kl_mean", 0.0)
+        self.kl_ctl.update(kl_mean, self.cfg.samples_per_step)
         return out, kl_mean
 
     # ------------------------------------------------------------------ the policy leaves the trainer
