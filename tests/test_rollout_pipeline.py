@@ -63,13 +63,19 @@ def test_batch_s_is_generated_by_version_max0_s_minus_n(n):
     assert gens == [("gen", s, max(0, s - n)) for s in range(8)]
 
 
-def test_sync_mode_runs_in_order_in_the_callers_thread():
-    srv = FakeServers()
+def test_sync_mode_is_on_policy_and_starts_the_next_batch_once_its_weights_are_served():
+    srv = FakeServers(gen_s=0.02)
     pipe = RolloutPipeline(srv.make, srv.push, 0, 0, 3)
-    assert pipe.push([1], 1) == {"bytes": 1, "version": 1}  # synchronous: the push's own stats
-    drive(pipe, 0, 3)
-    assert srv.log == [("push", 1), ("gen", 0, 1), ("push", 1), ("gen", 1, 1), ("push", 2), ("gen", 2, 2), ("push", 3)]
-    assert pipe.pending(2) == []
+    assert pipe.get(0).versions == [0] * 4
+    assert pipe.push([1], 1) == {"bytes": 1, "version": 1}  # it waits for the push: the push's own stats
+    deadline = time.monotonic() + 10
+    while ("gen", 1, 1) not in srv.log and time.monotonic() < deadline:
+        time.sleep(0.001)
+    # Before the trainer asks for it (while it writes the step's metrics or checkpoint), by the new weights.
+    assert srv.log == [("gen", 0, 0), ("push", 1), ("gen", 1, 1)]
+    assert drive(pipe, 1, 3) == [(1, 1), (2, 2)]
+    assert srv.log == [("gen", 0, 0), ("push", 1), ("gen", 1, 1), ("push", 2), ("gen", 2, 2), ("push", 3)]
+    assert pipe.pending(2) == []  # a resume generates the next batch again, with the same weights
 
 
 def test_pending_waits_for_every_batch_of_older_versions():
@@ -121,7 +127,7 @@ def test_get_times_out_naming_what_it_waited_for():
 
 
 def test_idle_seconds_counts_the_time_without_generation_or_push():
-    pipe = RolloutPipeline(None, None, 0, 0, 2)
+    pipe = RolloutPipeline(None, None, 0, 0, 0)  # nothing to generate: the spans below are the only ones
     pipe._busy = [[10.0, 12.0], [11.0, 13.0], [15.0, 15.5]]  # overlapping work counts once
     assert pipe.idle_seconds(9.0, 16.0) == pytest.approx(7.0 - 3.0 - 0.5)
     assert pipe.idle_seconds(11.5, 14.0) == pytest.approx(1.0)  # work is clipped to the window
@@ -130,8 +136,31 @@ def test_idle_seconds_counts_the_time_without_generation_or_push():
 
 def test_work_of_the_synchronous_mode_is_recorded_as_busy():
     srv = FakeServers()
-    pipe = RolloutPipeline(srv.make, srv.push, 0, 0, 2)
     t0 = time.time()
+    pipe = RolloutPipeline(srv.make, srv.push, 0, 0, 2)
     pipe.get(0)
     t1 = time.time()
     assert len(pipe._busy) == 1 and t0 <= pipe._busy[0][0] <= pipe._busy[0][1] <= t1
+    pipe.close()
+
+
+def test_closing_at_the_end_of_a_run_does_not_wait_for_a_generation_nobody_trains_on():
+    release = threading.Event()
+    srv = FakeServers()
+
+    def make(step):
+        if step == 1:
+            release.wait(60)
+        return srv.make(step)
+
+    pipe = RolloutPipeline(make, srv.push, 0, 0, 5)
+    pipe.get(0)
+    pipe.push([0], 1)  # the worker starts batch 1 at once (and hangs in it)
+    deadline = time.monotonic() + 10
+    while "generating the batch of step 2" not in pipe._doing and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert "generating the batch of step 2" in pipe._doing
+    t0 = time.monotonic()
+    pipe.close(abandon_generation=True)
+    assert time.monotonic() - t0 < 5
+    release.set()

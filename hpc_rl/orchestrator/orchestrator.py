@@ -241,6 +241,10 @@ class Orchestrator:
         a better evaluation becomes checkpoints/best. After the last step it waits for the last evaluation."""
         self._recoveries = 0
         if self.evaluator is not None:
+            if not self.cfg.rollout.async_steps:
+                # Synchronous: the step's row carries the evaluation of the policy it made (and step 1's the
+                # baseline's), as the step line does.
+                self.pipeline.wait_evals(step + 1)
             if last:
                 try:
                     self.pipeline.finish_evals()
@@ -271,7 +275,7 @@ class Orchestrator:
         """The end of the loop: stop the pipeline (its worker finishes a push in flight), leave the weight-sync group,
         tell the servers the run is done (unless preempted: a requeue resumes it), close the metrics files and the
         tracked runs; a last evaluation that failed is reported now."""
-        self.pipeline.close()
+        self.pipeline.close(abandon_generation=True)
         self.sampler.close()
         self.client.close()  # leaves the weight-sync group before the servers see done.json
         for client in (self.reward_client, self.teacher_client, self.judge and self.judge.client):
