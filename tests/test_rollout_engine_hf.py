@@ -119,3 +119,23 @@ def test_batched_sampling_draws_what_multinomial_draws_row_by_row():
             tok = HFEngine._sample(probs, ours, done)
             want = [0 if d else int(torch.multinomial(p, 1, generator=g)[0]) for p, d, g in zip(probs, done, theirs)]
             assert tok.tolist() == want
+
+
+def test_finished_samples_leave_the_batch_without_changing_the_others(model_dir):
+    """Samples that stopped leave the decoding batch (and their KV cache rows): the running ones get the same
+    tokens and log-probs as when every row runs to the last step."""
+    cfg = load_dict({"model": {"path": str(model_dir)}, "rollout": {"engine": "hf"}})
+    dropping, keeping = HFEngine(cfg, "cpu"), HFEngine(cfg, "cpu")
+    keeping.drop_finished = False
+    calls = []
+    forward = dropping.model.forward
+    dropping.model.forward = lambda *a, **kw: calls.append(kw["input_ids"].shape[0]) or forward(*a, **kw)
+    p = SamplingParams(n=8, max_new_tokens=20, seed=3, stop_token_ids=list(range(10, 22)))
+    a, b = dropping.generate(PROMPTS, p), keeping.generate(PROMPTS, p)
+    lengths = sorted(len(s.token_ids) for row in b for s in row)
+    assert lengths[0] < lengths[-1]  # samples of varied length: some left early
+    assert calls[0] == 24 and calls[-1] < 24 and calls == sorted(calls, reverse=True)
+    for ra, rb in zip(a, b):
+        for sa, sb in zip(ra, rb):
+            assert (sa.token_ids, sa.finish_reason) == (sb.token_ids, sb.finish_reason)
+            assert sa.logprobs == pytest.approx(sb.logprobs, abs=1e-5)

@@ -64,6 +64,7 @@ class HFEngine(Engine):
 
     name = "hf"
     inflight = True  # swapping(): between decoding steps
+    drop_finished = True  # finished samples leave the decoding batch (False: every row runs to the last step)
 
     def __init__(self, cfg, device: str = "cpu"):
         if not cfg.model.path:
@@ -176,6 +177,14 @@ class HFEngine(Engine):
         logits = out.logits[:, -1, :]
         last_pos = pos[..., -1]
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        # The rows still generating (`live`): a finished sample leaves the batch with its KV cache rows, so each
+        # decoding step computes the running samples only (with responses of varied length, a third of the work
+        # or more). Not with images (their vision inputs are per picture, not per row), nor with a cache whose
+        # layers cannot drop rows.
+        compact = self.drop_finished and not vis and hasattr(past, "batch_select_indices") and all(
+            hasattr(layer, "batch_select_indices") for layer in getattr(past, "layers", []))
+        live = torch.arange(b, device=self.device)
+        live_gens = gens
         toks, lps, versions = [], [], []
         for step in range(params.max_new_tokens):
             if cancel is not None and cancel.is_set():  # the client went away: stop between decode steps
@@ -188,19 +197,29 @@ class HFEngine(Engine):
                 # The image pad's embedding means "an image's features go here": a response that held one would
                 # not even run through the model again, so it is never sampled (its raw log-prob stays reported).
                 logits = logits.index_fill(-1, self._no_sample, float("-inf"))
+            live_done = done[live]
             if params.greedy:
-                tok = logits.argmax(dim=-1)
+                picked = logits.argmax(dim=-1)
             else:
                 probs = torch.softmax(filter_logits(logits / params.temperature, params.top_k, params.top_p), -1)
-                tok = self._sample(probs, gens, done)
-            tok = torch.where(done, torch.full_like(tok, self.pad_id), tok)
+                picked = self._sample(probs, live_gens, live_done)
+            picked = torch.where(live_done, self.pad_id, picked)
+            tok = torch.full((b,), self.pad_id, dtype=torch.long, device=self.device)
+            tok[live] = picked
+            lp = torch.zeros(b, dtype=raw.dtype, device=self.device)
+            lp[live] = raw.gather(-1, picked[:, None]).squeeze(-1)
             toks.append(tok)
-            lps.append(raw.gather(-1, tok[:, None]).squeeze(-1))
+            lps.append(lp)
             versions.append(version)
             done = done | torch.isin(tok, stop_ids)
             if bool(done.all()) or step == params.max_new_tokens - 1:
                 break
-            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            if compact and bool(done[live].any()):
+                keep = (~done[live]).nonzero().flatten()
+                past.batch_select_indices(keep)
+                live, mask, last_pos = live[keep], mask[keep], last_pos[..., keep]
+                live_gens = [live_gens[i] for i in keep.tolist()]
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=self.device)], dim=1)
             last_pos = last_pos + 1
             with self._steps.step():
                 if self.weights_version != version:
@@ -208,14 +227,15 @@ class HFEngine(Engine):
                     # prompt and the tokens so far run through the new weights once, and every later token is
                     # sampled from exactly the new policy (its log-prob is that policy's).
                     version = self.weights_version
-                    gen = torch.stack(toks, dim=1)
+                    gen = torch.stack(toks, dim=1)[live]
                     k = torch.arange(1, gen.shape[1] + 1, device=self.device)
-                    out = self.model(input_ids=torch.cat([ids, gen], dim=1), attention_mask=mask,
-                                     position_ids=torch.cat([pos, pos[..., -1:] + k], dim=-1), use_cache=True,
-                                     **vis)
+                    live_pos = pos[..., live, :]
+                    out = self.model(input_ids=torch.cat([ids[live], gen], dim=1), attention_mask=mask,
+                                     position_ids=torch.cat([live_pos, live_pos[..., -1:] + k], dim=-1),
+                                     use_cache=True, **vis)
                 else:
-                    out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=last_pos[..., None],
-                                     past_key_values=past, use_cache=True)
+                    out = self.model(input_ids=tok[live][:, None], attention_mask=mask,
+                                     position_ids=last_pos[..., None], past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :]
         tok_m = torch.stack(toks, dim=1).cpu().tolist()
