@@ -94,22 +94,25 @@ def rl_step(step: int, cfg: JobConfig, dist, learner, orch) -> dict:
     t0 = time.time()
     stats = learner.update(step, shard, fwd, adv, returns)  # 7: PPO epochs over mini-batches
     t_update = time.time() - t0
-    try:
-        learner.check_policy(step, shard.batch, stats)  # a non-finite policy is neither pushed nor checkpointed
+    t0 = time.time()
+    # Past trainer.max_skipped_in_a_row fit() stops after this step: its update (diverging, on every rank alike)
+    # is not pushed either.
+    pushing = learner.skipped_in_a_row < cfg.trainer.max_skipped_in_a_row
+    named = learner.policy_state() if pushing else None  # 8: gathered from the shards (collective) ...
+    t_gather = time.time() - t0
+    try:  # ... and checked: a non-finite policy is neither pushed nor checkpointed
+        learner.check_policy(step, shard.batch, stats, named, gathered=pushing)
     except PolicyNotFinite as e:
         raise NotFinite(str(e)) from None
     t0 = time.time()
     learner.policy_version = step + 1
     sync = {}
-    # Past trainer.max_skipped_in_a_row fit() stops after this step: its update (diverging, on every rank alike)
-    # is not pushed either.
-    if learner.skipped_in_a_row < cfg.trainer.max_skipped_in_a_row:
-        named = learner.policy_state()  # 8: gathered from the shards (collective) ...
+    if pushing:
         every = cfg.trainer.check_sync_every
-        probe = learner.sync_probe(batch) if every and (step + 1) % every == 0 else None
-        sync = orch.push(named, step + 1, probe) if dist.is_main else {}  # ... and pushed (now, or by the pipeline)
-        del named
-    t_sync = time.time() - t0
+        probe = learner.sync_probe(batch, named, gathered=True) if every and (step + 1) % every == 0 else None
+        sync = orch.push(named, step + 1, probe) if dist.is_main else {}  # ... pushed (now, or by the pipeline)
+    del named
+    t_sync = t_gather + time.time() - t0
     stats, kl_mean = learner.step_stats(shard, fwd, stats)  # 9: metrics
     if not dist.is_main:
         return {}

@@ -14,7 +14,7 @@ from ..config import JobConfig
 from ..models.loading import check_model_dir, torch_dtype
 from ..models.lora import CRITIC_HEAD, in_modules, policy_skip, with_adapters
 from ..models.vision import VISION_TOWER, is_vision_model, policy_auto_class
-from . import ds_config
+from . import ds_config, zero3_gather
 from .optimizer import make_optimizer
 
 log = logging.getLogger("hpc_rl")
@@ -245,27 +245,50 @@ def policy_state_dict(engine, lora: bool) -> dict[str, torch.Tensor] | None:
 
 
 def gather_state_dict(engine, on_rank0_only: bool = True) -> dict[str, torch.Tensor] | None:
-    """The full HF state dict of a ZeRO-3 engine's model, module by module (bounded peak memory).
+    """The full HF state dict of a ZeRO-3 engine's model, with bounded peak memory: on a CPU trainer in buckets of
+    whole parameters, one collective each (zero3_gather), else module by module.
 
     Collective: every rank must call it. Returns CPU tensors on rank 0 (None elsewhere when on_rank0_only).
     """
-    deepspeed = _deepspeed()
-
     model = engine.module
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mine = rank == 0 or not on_rank0_only
+    # A tied parameter (an output layer sharing the embedding) is here under both names, as in the state dict.
+    named = [(f"{mod_name}.{pname}" if mod_name else pname, p) for mod_name, module in model.named_modules()
+             for pname, p in module.named_parameters(recurse=False)]
+    out: dict[str, torch.Tensor] = {}
+    if zero3_gather.usable([p for _, p in named]):
+        unique = list({id(p): p for _, p in named}.values())
+        whole = zero3_gather.gather_whole(unique, on_rank0_only)
+        if mine:
+            by_id = dict(zip(map(id, unique), whole))
+            seen: set[int] = set()
+            for key, p in named:  # each name its own tensor, as the module-by-module gather gives them
+                out[key] = by_id[id(p)].clone() if id(p) in seen else by_id[id(p)]
+                seen.add(id(p))
+    else:
+        out = gather_module_by_module(model, mine)
+    if mine:
+        persistent = set(model.state_dict(keep_vars=True))
+        for name, buf in model.named_buffers():
+            if name in persistent:
+                out[name] = buf.detach().to("cpu", copy=True)
+    if on_rank0_only and rank != 0:
+        return None
+    return out
+
+
+def gather_module_by_module(model, mine: bool) -> dict[str, torch.Tensor]:
+    """The parameters of a ZeRO-3 (or unpartitioned) model under their state-dict names, each module's gathered by
+    DeepSpeed in turn; collective; empty where not `mine`."""
+    deepspeed = _deepspeed()
     out: dict[str, torch.Tensor] = {}
     for mod_name, module in model.named_modules():
         params = list(module.named_parameters(recurse=False))
         if not params:
             continue
         with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
-            if rank == 0 or not on_rank0_only:
+            if mine:
                 for pname, p in params:
-                    key = f"{mod_name}.{pname}" if mod_name else pname
-                    out[key] = p.detach().to("cpu", copy=True)
-    for name, buf in model.named_buffers():
-        if (rank == 0 or not on_rank0_only) and name in model.state_dict():
-            out[name] = buf.detach().to("cpu", copy=True)
-    if on_rank0_only and rank != 0:
-        return None
+                    out[f"{mod_name}.{pname}" if mod_name else pname] = p.detach().to("cpu", copy=True)
     return out

@@ -45,6 +45,7 @@ from .engines import (
     policy_state_dict,
 )
 from .experience import Batch, forward_micro_batches, pack, pad_rows, pad_top_rows, policy_forward, value_forward, without_truncated
+from .gathered_forward import GatheredPolicy, usable
 from .micro_batches import MicroBatch, plan, token_counts
 from .update import Forwards, Shard, injected_nan_steps, mini_batch_rows, ppo_update
 
@@ -130,6 +131,11 @@ class Trainer:
         self.old_logprobs_forward = needs_old_logprobs_forward(cfg, self.use_ref, self.correction,
                                                                self.actor.module.config)
         self._tokens = [0, 0]  # this step's computed and real tokens over all micro-batches (pad_fraction)
+        # Whether the check after the update and the sync probe run on the weights the push gathers (rank 0 alone,
+        # no ZeRO-3 fetches); the same on every rank. Its model skeleton is built at first use, on rank 0.
+        self.forward_on_gathered = usable(self.actor, dist.device, cfg.trainer.zero_stage, self.lora,
+                                          self.vision is not None)
+        self._gathered_policy: GatheredPolicy | None = None
 
     def _log_lora(self) -> None:
         for name, engine, lora in (("actor", self.actor, self.cfg.model.lora),
@@ -310,20 +316,20 @@ class Trainer:
             stats["rank_peak_gpu_mib_max"] = torch.cuda.max_memory_allocated(self.dist.device) / 2**20
         return stats
 
-    def check_policy(self, step: int, batch: Batch, stats: dict) -> None:
+    def check_policy(self, step: int, batch: Batch, stats: dict, named: list | None = None,
+                     gathered: bool = False) -> None:
         """After the update, before anything is pushed or checkpointed: every rank's part of the actor's (and
         critic's) weights is finite, and so is the actor's forward of one trained row of its `batch` (weights can be
         finite and still absurd: an lr of 1e30 gives |w| ~ 1e30, whose forward overflows). PolicyNotFinite on every
-        rank when either fails."""
+        rank when either fails. `gathered`: every rank just gathered the update's weights (policy_state), rank 0's
+        `named`; then the forward may run on those (forward_on_gathered)."""
         names = list(self.engines)  # the same order on every rank
         trained = (batch.response_mask.sum(-1) > 0).nonzero()  # not a padding row: its check is empty
         first = int(trained[0]) if len(trained) else 0
         probe = batch.slice(slice(first, first + 1))
-        with torch.no_grad():
-            self.actor.eval()
-            lp, _ = policy_forward(self.actor, probe)
+        lp = self._probe_logprobs(probe, named, gathered)
         local = [float(not params_finite(self.engines[n])) for n in names]
-        local.append(float(not bool(torch.isfinite(lp[probe.response_mask > 0]).all())))
+        local.append(float(lp is not None and not bool(torch.isfinite(lp[probe.response_mask > 0]).all())))
         flags = all_gather_floats(local).reshape(-1, len(local)).max(0)
         if not flags.any():
             return
@@ -372,20 +378,32 @@ class Trainer:
         sd = policy_state_dict(self.actor, self.lora)
         return list(sd.items()) if sd is not None else None
 
-    def sync_probe(self, batch: RolloutBatch) -> tuple | None:
+    def sync_probe(self, batch: RolloutBatch, named: list | None = None, gathered: bool = False) -> tuple | None:
         """(prompt, response, the updated actor's log-probs of it) of the batch's first sample, for the weight-sync
-        check (collective; rank 0's, None elsewhere)."""
+        check (collective; rank 0's, None elsewhere). `named`, `gathered`: as check_policy's."""
         prompt, response = batch.prompts[0], batch.responses[0]
         if not response:
             return None
         images = batch.images[:1] if batch.images is not None else None
         probe = pack([prompt], [response], self.tokenizer.pad_token_id, pixels=self._pixels(images)).to(self.dist.device)
-        with torch.no_grad():
-            self.actor.eval()
-            mine, _ = policy_forward(self.actor, probe)
+        mine = self._probe_logprobs(probe, named, gathered)
         if not self.dist.is_main:
             return None
         return (prompt, response, mine[0, :len(response)].cpu().tolist(), *([images] if images else []))
+
+    def _probe_logprobs(self, probe: Batch, named: list | None, gathered: bool) -> torch.Tensor | None:
+        """The updated actor's log-probs of a small `probe` batch (no gradients): on rank 0 alone from the gathered
+        weights where they can stand in for the engine (None on the other ranks), else the engine's collective
+        forward."""
+        with torch.no_grad():
+            if gathered and self.forward_on_gathered:
+                if not self.dist.is_main:
+                    return None
+                if self._gathered_policy is None:
+                    self._gathered_policy = GatheredPolicy(self.actor)
+                return policy_forward(self._gathered_policy.on(named), probe)[0]
+            self.actor.eval()
+            return policy_forward(self.actor, probe)[0]
 
     def _pixels(self, images: list[list[bytes]] | None) -> RowPixels | None:
         """The processed images of packed rows (a vision-language policy's batch), None for a text batch."""
