@@ -74,6 +74,7 @@ def _gathers_and_forwards(rank: int, actor, batch, after: dict) -> dict:
     with torch.no_grad():
         zero_lp = policy_forward(actor, batch)[0]
     out = {"usable": zero3_gather.usable(list(actor.module.parameters())),
+           "blocks_whole": sum(bool(getattr(m, "_z3_leaf", False)) for m in actor.module.modules()),
            "everywhere_equal": set(everywhere) >= set(reference) and
            all(torch.equal(everywhere[k], reference[k]) for k in reference)}
     if rank == 0:
@@ -111,9 +112,10 @@ def test_two_ranks_hold_half_of_every_parameter(two_ranks):
 
 def test_the_push_gathers_whole_parameters_in_buckets_as_deepspeed_does(two_ranks):
     """The bucketed gather equals DeepSpeed's module by module (to rank 0, to every rank, in many small buckets),
-    and the forward on rank 0's gathered weights equals the ZeRO-3 forward."""
+    the forward on rank 0's gathered weights equals the ZeRO-3 forward, and on CPU each decoder layer is one fetch."""
     r0, r1 = two_ranks
     assert r0["usable"] and r1["usable"]
     assert r0["keys_equal"] and r0["values_equal"]
     assert r0["everywhere_equal"] and r1["everywhere_equal"]
     assert r0["forward_max_diff"] < 1e-6
+    assert r0["blocks_whole"] == r1["blocks_whole"] == 2  # the tiny model's two Qwen2DecoderLayers
