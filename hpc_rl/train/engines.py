@@ -50,9 +50,9 @@ def _from_pretrained(auto_cls, path: str, cfg: JobConfig, ds: dict, device_kind:
     return model, keep_alive
 
 
-def fetch_blocks_whole(model, ds: dict) -> int:
+def fetch_blocks_whole(model, ds: dict) -> None:
     """ZeRO-3 fetches each transformer block's weights in one go (a DeepSpeed leaf module: no hooks on its parts)
-    where the block is no larger than the prefetch bucket; the number of blocks so marked.
+    where the block is no larger than the prefetch bucket.
 
     On CPU gloo runs every fetch in line with the compute, and in a small model a block's ~10 fetches and ~40 hooks
     cost more than its arithmetic (the toy's update: 65 -> 57 ms a step). The bucket bounds the memory as DeepSpeed's
@@ -65,7 +65,6 @@ def fetch_blocks_whole(model, ds: dict) -> int:
               and sum(getattr(p, "ds_numel", p.numel()) for p in m.parameters()) <= limit]
     if blocks:
         set_z3_leaf_modules(model, list({type(m) for m in blocks}))
-    return len(blocks)
 
 
 def _with_lora(model, lora, key: str, keep_trained: tuple[str, ...] = (), skip_prefixes: tuple[str, ...] = ()):

@@ -16,10 +16,10 @@ import copy
 import torch
 
 
-def usable(engine, device: torch.device, zero_stage: int, lora: bool, vision: bool) -> bool:
+def can_stand_in(device: torch.device, zero_stage: int, lora: bool, vision: bool) -> bool:
     """Whether the gathered weights can stand in for the engine's forward: a CPU trainer under ZeRO-3 (below stage 3
     the engine's forward fetches nothing), the whole policy pushed (not LoRA's adapters alone), a text model."""
-    return device.type == "cpu" and zero_stage == 3 and not lora and not vision and hasattr(engine, "module")
+    return device.type == "cpu" and zero_stage == 3 and not lora and not vision
 
 
 class GatheredPolicy:

@@ -45,7 +45,7 @@ from .engines import (
     policy_state_dict,
 )
 from .experience import Batch, forward_micro_batches, pack, pad_rows, pad_top_rows, policy_forward, value_forward, without_truncated
-from .gathered_forward import GatheredPolicy, usable
+from .gathered_forward import GatheredPolicy, can_stand_in
 from .micro_batches import MicroBatch, plan, token_counts
 from .update import Forwards, Shard, injected_nan_steps, mini_batch_rows, ppo_update
 
@@ -133,8 +133,7 @@ class Trainer:
         self._tokens = [0, 0]  # this step's computed and real tokens over all micro-batches (pad_fraction)
         # Whether the check after the update and the sync probe run on the weights the push gathers (rank 0 alone,
         # no ZeRO-3 fetches); the same on every rank. Its model skeleton is built at first use, on rank 0.
-        self.forward_on_gathered = usable(self.actor, dist.device, cfg.trainer.zero_stage, self.lora,
-                                          self.vision is not None)
+        self.forward_on_gathered = can_stand_in(dist.device, cfg.trainer.zero_stage, self.lora, self.vision is not None)
         self._gathered_policy: GatheredPolicy | None = None
 
     def _log_lora(self) -> None:

@@ -22,14 +22,13 @@ def usable(params: list) -> bool:
     partitions of hierarchical schemes): the layout the cut above assumes."""
     if not torch.distributed.is_initialized():
         return False
-    world = torch.distributed.group.WORLD
+    world = list(range(torch.distributed.get_world_size()))
     for p in params:
         t = getattr(p, "ds_tensor", None)
         if t is None or t.device.type != "cpu" or getattr(p, "ds_secondary_tensor", None) is not None:
             return False
-        group = getattr(p, "ds_process_group", None)
-        if group is not None and group != world and torch.distributed.get_world_size(group) != \
-                torch.distributed.get_world_size():
+        group = getattr(p, "ds_process_group", None)  # partition r on global rank r, as the gather reads them
+        if group is not None and torch.distributed.get_process_group_ranks(group) != world:
             return False
         if getattr(t, "final_location", None) is not None:  # swapped out to NVMe
             return False
